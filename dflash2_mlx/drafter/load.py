@@ -1,0 +1,196 @@
+"""Drafter checkpoints: read (with remaps and strict checks), quantize, and write.
+
+The published layout (dflash-algorithm.md §1.8, §2.2) is `config.json` + `*.safetensors`.
+Remaps, each a quirk of a published format:
+* DFlash 2 stores the selector codebooks without `.weight`; our `nn.Embedding` wants it.
+* Meta's assistant (v1) names the fusion `encoder.fc` and `encoder.output_norm_enc`.
+Loading is strict: a missing, unexpected or mis-shaped tensor is an error listing names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import ConfigError, ResolveError, WeightsError
+from .config import DrafterConfig, check_fits, parse_config
+from .model import Drafter
+
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
+_MUSE_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
+_ARCH_NAMES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "muse": "MuseGlimmerAssistantModel"}
+
+
+def sanitize(weights: dict[str, mx.array], config: DrafterConfig) -> dict[str, mx.array]:
+    """Checkpoint tensor names -> our parameter names (see module docstring)."""
+    out = {}
+    for name, value in weights.items():
+        if config.arch == "muse":
+            for old, new in _MUSE_RENAMES.items():
+                if name.startswith(old):
+                    name = new + name[len(old):]
+        if name in _CODEBOOKS:
+            name = name + ".weight"
+        out[name] = value
+    return out
+
+
+def unsanitize(params: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Our parameter names -> the published DFlash 2 layout (codebooks without `.weight`)."""
+    return {(k[: -len(".weight")] if k[: -len(".weight")] in _CODEBOOKS else k): v for k, v in params.items()}
+
+
+def resolve_drafter_dir(path_or_repo: str | os.PathLike) -> Path:
+    """A local directory, or a Hugging Face repo id fetched with huggingface_hub."""
+    path = Path(path_or_repo).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_repo).startswith((".", "/", "~")):
+        raise ResolveError(f"drafter path {str(path_or_repo)!r} is not a directory")
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # huggingface_hub raises many kinds; all mean "not available here"
+        raise ResolveError(f"cannot fetch drafter {str(path_or_repo)!r}: {type(e).__name__}: {e}") from e
+
+
+def read_checkpoint(path: Path) -> tuple[dict, dict[str, mx.array]]:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ConfigError(f"{path} has no config.json")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightsError(f"{path} has no *.safetensors files")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return json.loads(config_file.read_text()), weights
+
+
+def _check_tensors(model: Drafter, weights: dict[str, mx.array]) -> None:
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    extra = sorted(set(weights) - set(expected))
+    wrong = sorted(
+        f"{k} {tuple(weights[k].shape)} (expected {tuple(expected[k].shape)})"
+        for k in set(expected) & set(weights)
+        if tuple(weights[k].shape) != tuple(expected[k].shape)
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if extra:
+        problems.append(f"unexpected tensors {extra}")
+    if wrong:
+        problems.append(f"wrong shapes {wrong}")
+    if problems:
+        raise WeightsError("drafter checkpoint does not match its config: " + "; ".join(problems))
+
+
+def quantize_drafter(model: Drafter, bits: int, group_size: int = 64) -> None:
+    """Quantize every Linear/Embedding whose input width allows it (like `--draft-bits`)."""
+    if bits not in (4, 8):
+        raise ConfigError(f"draft_bits must be 4 or 8, got {bits}")
+
+    def predicate(_, module):
+        return isinstance(module, (nn.Linear, nn.Embedding)) and module.weight.shape[-1] % group_size == 0
+
+    nn.quantize(model, group_size=group_size, bits=bits, class_predicate=predicate)
+
+
+def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=None,
+                  draft_bits: int | None = None, dtype: str | None = None) -> Drafter:
+    """Validate against `target` (if given), load weights strictly, quantize, bind."""
+    weights = sanitize(weights, config)
+    if target is not None:
+        fc = weights.get("fc.weight")
+        check_fits(config, target.info, fc_width=None if fc is None else fc.shape[1])
+    model = Drafter(config)
+    _check_tensors(model, weights)
+    model.load_weights(list(weights.items()), strict=True)
+    if dtype is not None:
+        model.set_dtype(getattr(mx, dtype))
+    if draft_bits:
+        quantize_drafter(model, draft_bits)
+    mx.eval(model.parameters())
+    model.eval()
+    if target is not None:
+        model.bind(target)
+    return model
+
+
+def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype: str | None = None) -> Drafter:
+    """Load a DFlash / DFlash 2 drafter (local dir or HF repo) and bind it to `target`.
+
+    Args:
+        draft_bits: quantize the drafter to 4 or 8 bits after loading.
+        dtype: cast its weights ("float32", "bfloat16", "float16").
+    Raises:
+        ConfigError, WeightsError, IncompatibleDrafterError, ResolveError.
+    """
+    path = resolve_drafter_dir(path_or_repo)
+    raw, weights = read_checkpoint(path)
+    return build_drafter(parse_config(raw), weights, target, draft_bits, dtype)
+
+
+def published_config(config: DrafterConfig, extra: dict | None = None) -> dict:
+    """`config.json` content in the current published schema for `config`."""
+    c = config
+    dflash = {"block_size": c.block_size, "mask_token_id": c.mask_token_id,
+              "target_layer_ids": list(c.target_layer_ids)}
+    if c.is_v2:
+        dflash.update(conv_group_size=c.conv_group_size, conv_kernel_size=c.conv_kernel_size,
+                      selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
+    if c.final_logit_softcapping:
+        dflash["final_logit_softcapping"] = c.final_logit_softcapping
+    if c.output_multiplier != 1.0:
+        dflash["output_multiplier"] = c.output_multiplier
+    if c.input_embedding_scale != 1.0:
+        dflash["input_embedding_scale"] = c.input_embedding_scale
+    rope = dict(c.rope_scaling or {"rope_type": "default"})
+    rope["rope_theta"] = c.rope_theta
+    out = {
+        "architectures": [_ARCH_NAMES[c.arch]],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rope_parameters": rope,
+        "layer_types": list(c.layer_types),
+        "is_causal": bool(c.causal[0]) if len(set(c.causal)) == 1 else None,
+        "tie_word_embeddings": False,
+        "num_target_layers": c.num_target_layers,
+        "dflash_config": dflash,
+    }
+    if c.sliding_window:
+        out["sliding_window"] = c.sliding_window
+    if out["is_causal"] is None:
+        del out["is_causal"]
+    out.update(extra or {})
+    return out
+
+
+def save_drafter(model: Drafter, out_dir: str | os.PathLike, extra_config: dict | None = None) -> Path:
+    """Write `config.json` + `model.safetensors` in the published layout, atomically."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    params = unsanitize(dict(tree_flatten(model.parameters())))
+    with tempfile.TemporaryDirectory(dir=out) as tmp:
+        mx.save_safetensors(str(Path(tmp) / "model.safetensors"), params, metadata={"format": "mlx"})
+        (Path(tmp) / "config.json").write_text(json.dumps(published_config(model.config, extra_config), indent=2))
+        os.replace(Path(tmp) / "model.safetensors", out / "model.safetensors")
+        os.replace(Path(tmp) / "config.json", out / "config.json")
+    return out

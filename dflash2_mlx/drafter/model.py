@@ -1,0 +1,201 @@
+"""The DFlash v1 / v2 drafter backbone (dflash-algorithm.md §1, §2).
+
+A few Qwen3-style layers with no embedding or head of their own. The target's tapped
+hidden states are fused, `c = RMSNorm(fc(concat(taps)))`, and injected as keys/values in
+every layer (queries come only from the block). Context K/V are cached per committed token;
+the block `[anchor, MASK x (L-1)]` is recomputed each call at absolute positions. In-block
+attention is bidirectional unless the layer is causal; sliding layers see only the last
+`sliding_window - 1` context positions. DFlash 2 wraps each sublayer in a grouped dynamic
+convolution and adds the candidate selector.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.rope_utils import initialize_rope
+
+from ..caches import WindowKVCache
+from .config import DrafterConfig, check_fits
+from .conv import GroupedDynamicCausalConv
+from .selector import CandidateSelector, Proposal
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _stored(cache) -> tuple[mx.array, mx.array]:
+    """Context K/V already in a draft cache, without appending."""
+    n = cache.n_stored if isinstance(cache, WindowKVCache) else cache.offset
+    return cache.keys[..., :n, :], cache.values[..., :n, :]
+
+
+def block_attention_mask(n_ctx: int, L: int, window: int | None, causal: bool):
+    """Mask [L, n_ctx + L] for block queries over [context ; block] keys, or None if all visible.
+
+    Context key j (position s - n_ctx + j) is visible to block query i (position s + i)
+    iff it lies inside the window: n_ctx + i - j < window. Block keys: all, or j <= i.
+    """
+    ctx_limited = window is not None and n_ctx + L - 1 >= window
+    if not ctx_limited and not causal:
+        return None
+    i = mx.arange(L)[:, None]
+    j = mx.arange(n_ctx + L)[None]
+    ctx_ok = (j < n_ctx) & ((n_ctx + i - j < window) if ctx_limited else True)
+    blk_ok = (j >= n_ctx) & ((j - n_ctx <= i) if causal else True)
+    return ctx_ok | blk_ok
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DrafterConfig, index: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.window = c.sliding_window if c.layer_types[index] == "sliding_attention" else None
+        self.causal = c.causal[index]
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+
+    def _heads(self, x, n, norm=None):
+        B, L, _ = x.shape
+        x = x.reshape(B, L, n, self.head_dim)
+        return (norm(x) if norm is not None else x).transpose(0, 2, 1, 3)
+
+    def __call__(self, x: mx.array, ctx: mx.array, cache, rope) -> mx.array:
+        """x: block [B, L, H]; ctx: new fused context rows [B, S, H] (S may be 0)."""
+        B, L, _ = x.shape
+        if ctx.shape[1]:
+            k_ctx = rope(self._heads(self.k_proj(ctx), self.n_kv_heads, self.k_norm), offset=cache.offset)
+            k_ctx, v_ctx = cache.update_and_fetch(k_ctx, self._heads(self.v_proj(ctx), self.n_kv_heads))
+        else:
+            k_ctx, v_ctx = _stored(cache)
+        start = cache.offset
+        q = rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), offset=start)
+        k_blk = rope(self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm), offset=start)
+        v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
+        keys = mx.concatenate([k_ctx, k_blk], axis=2)
+        values = mx.concatenate([v_ctx, v_blk], axis=2)
+        mask = block_attention_mask(k_ctx.shape[2], L, self.window, self.causal)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DrafterConfig, index: int):
+        super().__init__()
+        self.self_attn = DraftAttention(c, index)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if c.is_v2:
+            self.attention_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+            self.mlp_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+
+    def __call__(self, x, ctx, cache, rope):
+        if "attention_conv" not in self:
+            x = x + self.self_attn(self.input_layernorm(x), ctx, cache, rope)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        u, dyn = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(u, ctx, cache, rope), dyn)
+        u, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(u), dyn)
+
+
+class Drafter(nn.Module):
+    """DFlash (v1) or DFlash 2 drafter. Bind it to a `Target` before use."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.layers = [DraftLayer(c, i) for i in range(c.num_hidden_layers)]
+        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if c.is_v2:
+            self.candidate_selector = CandidateSelector(c.hidden_size, c.vocab_size, c.selector_rank, c.selector_top_k)
+        self.rope = initialize_rope(c.head_dim, base=c.rope_theta, traditional=False,
+                                    scaling_config=c.rope_scaling,
+                                    max_position_embeddings=c.max_position_embeddings)
+        self.target = None
+
+    def bind(self, target) -> "Drafter":
+        """Share `target`'s embedding and head; fails first if the two do not fit."""
+        check_fits(self.config, target.info, fc_width=self._fc_in_features())
+        self.target = target
+        return self
+
+    def _fc_in_features(self) -> int:
+        w = self.fc.weight
+        return w.shape[1] * 32 // self.fc.bits if isinstance(self.fc, nn.QuantizedLinear) else w.shape[1]
+
+    def make_cache(self) -> list:
+        """One context K/V store per layer; sliding layers keep `sliding_window - 1` rows."""
+        return [
+            WindowKVCache(self.config.sliding_window, 0) if t == "sliding_attention" else KVCache()
+            for t in self.config.layer_types
+        ]
+
+    def _require_target(self):
+        if self.target is None:
+            raise RuntimeError("drafter is not bound to a target; call drafter.bind(target)")
+        return self.target
+
+    def fuse_context(self, target_hidden: mx.array) -> mx.array:
+        """[B, S, n_taps * H_t] tapped target states -> fused context [B, S, H]."""
+        return self.hidden_norm(self.fc(target_hidden))
+
+    def hidden_states(self, block: mx.array, target_hidden: mx.array, cache: list) -> mx.array:
+        """Final-normed draft states [B, L, H] for `block [B, L]`; appends the new context rows.
+
+        `target_hidden [B, S, n_taps * H_t]` holds the taps of the S tokens committed since
+        the last call; they sit right before the block's anchor.
+        """
+        target = self._require_target()
+        x = target.embed(block)
+        if self.config.input_embedding_scale != 1.0:
+            x = x * self.config.input_embedding_scale
+        ctx = self.fuse_context(target_hidden)
+        for layer, kv in zip(self.layers, cache):
+            x = layer(x, ctx, kv, self.rope)
+        return self.norm(x)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Draft logits through the target's head, then the drafter's own transforms."""
+        out = self._require_target().head(hidden)
+        if self.config.output_multiplier != 1.0:
+            out = out * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def propose(self, anchor: mx.array, target_hidden: mx.array, cache: list, block_size: int,
+                temperature: float = 0.0, key: mx.array | None = None,
+                use_kernel: bool | None = None) -> Proposal:
+        """Draft `block_size - 1` tokens after `anchor [B]`.
+
+        v2 walks the selector (sampled when temperature > 0, which yields q); v1 proposes the
+        argmax of each position (one-hot q at any temperature, the exact choice for a drafter
+        whose positions are sampled independently).
+        """
+        B = anchor.shape[0]
+        masks = mx.full((B, block_size - 1), self.config.mask_token_id, dtype=anchor.dtype)
+        block = mx.concatenate([anchor[:, None], masks], axis=1)
+        hidden = self.hidden_states(block, target_hidden, cache)[:, 1:]
+        logits = self.logits(hidden)
+        if self.config.is_v2:
+            return self.candidate_selector(hidden, logits, anchor, temperature, key, use_kernel)
+        return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32), logits=logits)

@@ -1,0 +1,337 @@
+"""The decoding loop: prefill → (propose → verify → commit)* with exact rollback.
+
+One generator drives both plain autoregressive decoding (`drafter=None`, or a cycle of width
+1) and speculative decoding, so they share every line that picks tokens. Each cycle:
+
+1. `_propose`: the drafter, fed the target states of the tokens committed since its last
+   call, drafts `width - 1` tokens after the anchor (the last committed token).
+2. `_verify`: the target runs once over `[anchor, d_1..d_{w-1}]`; greedy prefix acceptance or
+   rejection sampling picks `n` drafts and the next token.
+3. `_commit`: caches keep the anchor and the `n` accepted drafts; their target states become
+   the drafter's next context; emitted = accepted drafts + the next token.
+
+State is explicit in `_Run` (caches, RNG key, history); nothing is stored on the models.
+A proposed token equal to the drafter's mask id is an ordinary token.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .errors import ConfigError
+from .sampling import SamplingParams, make_processors, process_rows, target_probs
+from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_PREFILL_STEP = 2048
+
+
+@dataclass
+class CycleStats:
+    """What one draft-verify cycle did (a plain decoding step has width 1)."""
+
+    width: int
+    n_drafted: int
+    n_accepted: int
+    n_emitted: int
+    draft_s: float
+    verify_s: float
+
+
+@dataclass
+class GenerationEvent:
+    """Yielded by `stream_generate` once per cycle (and once for the first token)."""
+
+    text: str
+    tokens: list[int]
+    cycle: CycleStats | None
+    finish_reason: str | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory_gb: float
+
+
+@dataclass
+class GenerationResult:
+    """Everything `generate` measured; `cycles` holds the raw per-cycle log."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory_gb: float
+    cycles: list[CycleStats] = field(default_factory=list)
+
+    @property
+    def speculative_cycles(self) -> list[CycleStats]:
+        return [c for c in self.cycles if c.n_drafted > 0]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per speculative cycle, bonus included (τ ∈ [1, block size])."""
+        spec = self.speculative_cycles
+        return sum(c.n_accepted + 1 for c in spec) / len(spec) if spec else 1.0
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft i accepted | drafts before it accepted), for i = 1..max drafted."""
+        spec = self.speculative_cycles
+        depth = max((c.n_drafted for c in spec), default=0)
+        out = []
+        for i in range(depth):
+            reached = [c for c in spec if c.n_drafted > i and c.n_accepted >= i]
+            out.append(sum(c.n_accepted > i for c in reached) / len(reached) if reached else 0.0)
+        return out
+
+    def accepted_histogram(self) -> list[int]:
+        """Count of speculative cycles by number of accepted drafts (index = n accepted)."""
+        spec = self.speculative_cycles
+        hist = [0] * (max((c.n_drafted for c in spec), default=0) + 1)
+        for c in spec:
+            hist[c.n_accepted] += 1
+        return hist
+
+
+@dataclass
+class _Run:
+    target: object
+    drafter: object | None
+    params: SamplingParams
+    key: mx.array
+    target_cache: list
+    drafter_cache: list | None
+    taps: tuple[int, ...]
+    history: list[int]
+    processors: list
+    pending_ctx: list = field(default_factory=list)
+
+    def next_key(self) -> mx.array:
+        self.key, sub = mx.random.split(self.key)
+        return sub
+
+
+def _encode(target, prompt) -> list[int]:
+    if isinstance(prompt, str):
+        tok = target.tokenizer
+        bos = getattr(tok, "bos_token", None)
+        return tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+    ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
+    return ids
+
+
+def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: int) -> None:
+    if not ids:
+        raise ConfigError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < target.info.vocab_size]
+    if bad:
+        raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocab (size {target.info.vocab_size})")
+    if max_tokens < 1:
+        raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+    if drafter is not None and block_size < 2:
+        raise ConfigError(f"block_size must be >= 2 for speculative decoding, got {block_size}")
+    if drafter is not None and drafter.target is not target:
+        raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
+
+
+def _prefill(run: _Run, ids: list[int], step: int) -> mx.array:
+    """Feed the prompt in chunks; return the logits of its last position [1, 1, V]."""
+    limit = run.drafter.config.context_limit if run.drafter is not None else None
+    logits = None
+    for start in range(0, len(ids), step):
+        chunk = mx.array([ids[start : start + step]])
+        last = start + step >= len(ids)
+        logits, hidden = run.target.forward(chunk, run.target_cache, run.taps, "last" if last else "none")
+        if hidden is not None:
+            run.pending_ctx.append(hidden)
+            _cap_context(run, limit)
+        mx.eval([c.state for c in run.target_cache], run.pending_ctx)
+    return logits
+
+
+def _cap_context(run: _Run, limit: int | None) -> None:
+    """Drop context rows that no draft query can ever see (all-sliding drafters only)."""
+    if limit is None:
+        return
+    n = sum(h.shape[1] for h in run.pending_ctx)
+    if n > limit:
+        ctx = mx.concatenate(run.pending_ctx, axis=1)
+        run.pending_ctx = [ctx[:, n - limit :]]
+        for c in run.drafter_cache:
+            c.n_stored, c.offset = 0, c.offset + n - limit
+
+
+def _choose(run: _Run, logits: mx.array, block: list[int], key: mx.array) -> mx.array:
+    """The target's own pick for each row of logits [R, V] (greedy or sampled)."""
+    logits = process_rows(logits, run.history, block, run.processors)
+    if run.params.greedy:
+        return mx.argmax(logits, axis=-1)
+    return mx.random.categorical(mx.log(target_probs(logits, run.params)), key=key)
+
+
+def _take_context(run: _Run) -> mx.array:
+    ctx = mx.concatenate(run.pending_ctx, axis=1) if len(run.pending_ctx) > 1 else run.pending_ctx[0]
+    run.pending_ctx = []
+    return ctx
+
+
+def _step_plain(run: _Run) -> tuple[list[int], CycleStats]:
+    t0 = time.perf_counter()
+    anchor = mx.array([[run.history[-1]]])
+    logits, hidden = run.target.forward(anchor, run.target_cache, run.taps, "last")
+    token = _choose(run, logits[0], [], run.next_key())
+    if hidden is not None:
+        run.pending_ctx.append(hidden)
+        _cap_context(run, run.drafter.config.context_limit)
+    token = int(token.item())
+    return [token], CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)
+
+
+def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
+    t0 = time.perf_counter()
+    anchor = run.history[-1]
+    proposal = run.drafter.propose(mx.array([anchor]), _take_context(run), run.drafter_cache, width,
+                                   run.params.temperature, run.next_key())
+    drafts = proposal.tokens[0]
+    if run.processors:  # penalties need the drafted tokens on the host
+        mx.eval(drafts)
+    t1 = time.perf_counter()
+    run.target.arm(run.target_cache)
+    verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
+    logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
+    rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors)
+    if run.params.greedy:
+        choice = mx.argmax(rows, axis=-1)
+        mx.eval(drafts, choice)
+        n_acc, nxt = greedy_accept(drafts.tolist(), choice.tolist())
+    else:
+        p = target_probs(rows, run.params)
+        q = dense_q(proposal.q[0], proposal.candidates[0], p.shape[-1]) if proposal.q is not None \
+            else one_hot_q(drafts, p.shape[-1])
+        n_arr, nxt_arr = rejection_sample(drafts, p, q, run.next_key())
+        mx.eval(drafts, n_arr, nxt_arr)
+        n_acc, nxt = int(n_arr.item()), int(nxt_arr.item())
+    run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
+    run.pending_ctx.append(hidden[:, : n_acc + 1])
+    emitted = drafts.tolist()[:n_acc] + [nxt]
+    t2 = time.perf_counter()
+    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0, t2 - t1)
+
+
+class _Stopper:
+    """Cuts the emitted stream at EOS, stop strings and max_tokens; builds the text."""
+
+    def __init__(self, tokenizer, eos: set[int], stop: list[str], max_tokens: int):
+        self.detok = tokenizer.detokenizer
+        self.detok.reset()
+        self.eos, self.stop, self.max_tokens = eos, [s for s in stop if s], max_tokens
+        self.text, self.tokens, self.sent = "", [], 0
+
+    def feed(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        """Accept tokens; return (kept tokens, finish reason or None)."""
+        kept = []
+        for t in tokens:
+            if t in self.eos:
+                return kept, "stop"
+            self.detok.add_token(t)
+            self.tokens.append(t)
+            kept.append(t)
+            self.text += self.detok.last_segment
+            if self.stop and self._hit_stop():
+                return kept, "stop"
+            if len(self.tokens) >= self.max_tokens:
+                return kept, "length"
+        return kept, None
+
+    def _hit_stop(self) -> bool:
+        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text = self.text[:cut]
+            return True
+        return False
+
+    def new_text(self, final: bool) -> str:
+        if final:
+            self.detok.finalize()
+            self.text += self.detok.last_segment
+            self._hit_stop()
+        # Hold back a tail that could still become a stop string.
+        hold = 0 if final else max((len(s) - 1 for s in self.stop), default=0)
+        end = max(self.sent, len(self.text) - hold)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKENS,
+                    sampling: SamplingParams | None = None, block_size: int | None = None,
+                    stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP):
+    """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
+
+    Args:
+        target: a `Target`.
+        drafter: a `Drafter` bound to `target`, or None for plain autoregressive decoding.
+        prompt: text (tokenized with BOS as mlx-lm does), a list of ids, or an mx.array.
+        max_tokens: the most tokens to generate (default 256).
+        sampling: `SamplingParams` (default greedy).
+        block_size: verify width (drafts + 1); default the drafter's trained block size.
+        stop: strings that end generation (not included in the text).
+        prefill_step_size: prompt chunk size (default 2048).
+    """
+    params = sampling or SamplingParams()
+    ids = _encode(target, prompt)
+    width = block_size or (drafter.config.block_size if drafter is not None else 1)
+    _check_args(target, drafter, ids, max_tokens, width)
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    run = _Run(
+        target=target, drafter=drafter, params=params, key=mx.random.key(seed),
+        target_cache=target.make_cache(reserve=max(width, 1)),
+        drafter_cache=drafter.make_cache() if drafter is not None else None,
+        taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+        history=list(ids), processors=make_processors(params),
+    )
+    stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    logits = _prefill(run, ids, prefill_step_size)
+    first = int(_choose(run, logits[0], [], run.next_key()).item())
+    prompt_tps = len(ids) / (time.perf_counter() - tic)
+    tic = time.perf_counter()
+
+    def event(tokens, cycle, finish):
+        n = len(stopper.tokens)
+        return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
+                               prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
+                               mx.get_peak_memory() / 1e9)
+
+    kept, finish = stopper.feed([first])
+    run.history.append(first)
+    yield event(kept, None, finish)
+    while finish is None:
+        remaining = max_tokens - len(stopper.tokens)
+        w = min(width, remaining)
+        emitted, cycle = _step_speculative(run, w) if drafter is not None and w >= 2 else _step_plain(run)
+        kept, finish = stopper.feed(emitted)
+        run.history.extend(emitted)
+        yield event(kept, cycle, finish)
+
+
+def generate(target, drafter, prompt, **kwargs) -> GenerationResult:
+    """Run `stream_generate` to the end and collect a `GenerationResult`."""
+    text, tokens, cycles, last = [], [], [], None
+    for ev in stream_generate(target, drafter, prompt, **kwargs):
+        text.append(ev.text)
+        tokens.extend(ev.tokens)
+        if ev.cycle is not None:
+            cycles.append(ev.cycle)
+        last = ev
+    return GenerationResult(
+        text="".join(text), tokens=tokens, finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens, prompt_tps=last.prompt_tps,
+        generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb, cycles=cycles,
+    )

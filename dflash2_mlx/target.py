@@ -1,0 +1,308 @@
+"""The target model: any mlx-lm language model seen through what speculation needs.
+
+`Target` adds to an mlx-lm model and tokenizer:
+* hidden-state taps: the output (residual stream) of any decoder layer, per position;
+* the embedding with the model's own input scale and the LM head (untied, tied, or
+  under `language_model`), with the model's logit transforms;
+* caches that roll back exactly (`caches.py`, `recurrent.py`) and `commit`, which keeps a
+  prefix of the last verify block.
+
+The model's forward code is mlx-lm's; layers are wrapped, never patched. At construction a
+short probe checks that our head reproduces `model(x)` and measures the embedding scale from
+the real layer-0 input, so a family with unusual logit code falls back to the full forward.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .caches import RecurrentCache, adapt_cache
+from .errors import ConfigError, DFlashError
+from .recurrent import _Wrapper, install_replay
+
+log = logging.getLogger(__name__)
+
+_PROBE_IDS = (1, 17, 42, 99, 7, 3)
+
+
+class _TapSink:
+    """Where armed taps write layer outputs during one forward call."""
+
+    def __init__(self):
+        self.wanted: frozenset[int] = frozenset()
+        self.outputs: dict[int, mx.array] = {}
+        self.layer0_input: mx.array | None = None
+        self.want_input = False
+
+
+class HiddenTap(_Wrapper):
+    """Wraps decoder layer `index`; stores its output when the sink asks for it."""
+
+    def __init__(self, inner: nn.Module, index: int, sink: _TapSink):
+        super().__init__(inner)
+        self.index = index
+        self.sink = sink
+
+    def __call__(self, x, *args, **kwargs):
+        if self.index == 0 and self.sink.want_input:
+            self.sink.layer0_input = x
+        out = self.inner(x, *args, **kwargs)
+        if self.index in self.sink.wanted:
+            self.sink.outputs[self.index] = out[0] if isinstance(out, tuple) else out
+        return out
+
+
+def _inner_model(model: nn.Module) -> nn.Module:
+    for candidate in (getattr(model, "model", None), _get(model, "language_model", "model")):
+        if candidate is not None and hasattr(candidate, "layers") and hasattr(candidate, "embed_tokens"):
+            return candidate
+    raise ConfigError(f"cannot find the decoder (embed_tokens + layers) in {type(model).__name__}")
+
+
+def _get(obj, *names):
+    for name in names:
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _model_args(model: nn.Module):
+    return _get(model, "language_model", "args") or getattr(model, "args", None)
+
+
+def _resolve_head(model: nn.Module, inner: nn.Module):
+    head = getattr(model, "lm_head", None) or _get(model, "language_model", "lm_head")
+    if isinstance(head, nn.Module):
+        return head
+    return inner.embed_tokens.as_linear
+
+
+def _logit_transform(args):
+    """The logit post-processing that mlx-lm families apply after the head."""
+    cap = getattr(args, "final_logit_softcapping", None)
+    scale = getattr(args, "logit_scale", None)
+    divisor = getattr(args, "logits_scaling", None)
+
+    def transform(logits):
+        if scale:
+            logits = logits * scale
+        if divisor:
+            logits = logits / divisor
+        if cap:
+            logits = mx.tanh(logits / cap) * cap
+        return logits
+
+    return transform
+
+
+@dataclass
+class TargetInfo:
+    """Static facts about a target, for drafter validation and `doctor`."""
+
+    model_type: str
+    n_layers: int
+    hidden_size: int
+    vocab_size: int
+    embed_scale: float | None
+    head_matches_model: bool
+    recurrent_layers: tuple[int, ...] = field(default_factory=tuple)
+
+
+class Target:
+    """An mlx-lm model + tokenizer prepared for speculative decoding.
+
+    Args:
+        model: an mlx-lm `Model` (any family).
+        tokenizer: its `TokenizerWrapper`.
+        path: where it was loaded from (for messages and the registry).
+        fast_recurrent_replay: use the GatedDeltaNet fast replay where it applies
+            (default True); False forces the generic replay (tests compare the two).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer, path: str | None = None,
+                 fast_recurrent_replay: bool = True):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.path = path
+        self.inner = _inner_model(model)
+        self.args = _model_args(model)
+        self._sink = _TapSink()
+        self._head = _resolve_head(model, self.inner)
+        self._transform = _logit_transform(self.args)
+        self._replayers: dict[int, nn.Module] = {}
+        self._wrap_layers(fast_recurrent_replay)
+        self.info = self._probe()
+
+    # -- construction ---------------------------------------------------------------
+
+    def _wrap_layers(self, fast_replay: bool) -> None:
+        layers = self.inner.layers
+        kinds = self._base_cache()
+        for i, layer in enumerate(layers):
+            if type(kinds[i]).__name__ == "ArraysCache":
+                layer, self._replayers[i] = install_replay(layer, fast=fast_replay)
+            layers[i] = HiddenTap(layer, i, self._sink)
+
+    def _base_cache(self) -> list:
+        if hasattr(self.model, "make_cache"):
+            return self.model.make_cache()
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.inner.layers]
+
+    def _probe(self) -> TargetInfo:
+        tokens = mx.array([[t % self.vocab_size for t in _PROBE_IDS]])
+        reference = self.model(tokens, cache=self._base_cache())
+        self._sink.want_input = True
+        try:
+            hidden = self.inner(tokens, cache=self._base_cache())
+        finally:
+            self._sink.want_input = False
+        ours = self._transform(self._head(hidden))
+        layer0_input, self._sink.layer0_input = self._sink.layer0_input, None
+        mx.eval(reference, ours, layer0_input)
+        tol = 1e-2 * (1.0 + mx.abs(reference).max().item())
+        head_ok = bool(mx.abs(reference.astype(mx.float32) - ours.astype(mx.float32)).max().item() <= tol)
+        if not head_ok:
+            log.warning("target head differs from model(x) for %s; using the full forward", self.model_type)
+        return TargetInfo(
+            model_type=self.model_type,
+            n_layers=len(self.inner.layers),
+            hidden_size=int(hidden.shape[-1]),
+            vocab_size=int(reference.shape[-1]),
+            embed_scale=self._measure_embed_scale(tokens, layer0_input),
+            head_matches_model=head_ok,
+            recurrent_layers=tuple(sorted(self._replayers)),
+        )
+
+    def _measure_embed_scale(self, tokens: mx.array, layer0_input: mx.array) -> float | None:
+        raw = self.inner.embed_tokens(tokens).astype(mx.float32)
+        seen = layer0_input.astype(mx.float32)
+        hidden = raw.shape[-1]
+        for scale in (1.0, hidden**0.5, float(mx.array(hidden**0.5, mx.bfloat16).item())):
+            if mx.allclose(raw * scale, seen, rtol=1e-3, atol=1e-5).item():
+                return scale
+        fitted = (mx.sum(raw * seen) / mx.maximum(mx.sum(raw * raw), 1e-30)).item()
+        if mx.allclose(raw * fitted, seen, rtol=1e-3, atol=1e-5).item():
+            return fitted
+        return None
+
+    # -- facts ----------------------------------------------------------------------
+
+    @property
+    def model_type(self) -> str:
+        return str(getattr(self.args, "model_type", type(self.model).__module__.split(".")[-1]))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.inner.embed_tokens.weight.shape[0]) if hasattr(self.inner.embed_tokens, "weight") \
+            else int(getattr(self.args, "vocab_size"))
+
+    @property
+    def n_layers(self) -> int:
+        return self.info.n_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.info.hidden_size
+
+    @property
+    def eos_token_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "eos_token_ids", None) or [])
+
+    # -- compute --------------------------------------------------------------------
+
+    def make_cache(self, reserve: int = 16) -> list:
+        """Fresh caches that can roll back up to `reserve` tokens per verify pass."""
+        return adapt_cache(self._base_cache(), reserve)
+
+    def embed(self, tokens: mx.array) -> mx.array:
+        """Input embeddings as the decoder's layer 0 sees them (scale included)."""
+        if self.info.embed_scale is None:
+            raise DFlashError(
+                f"cannot reproduce the layer-0 input of {self.model_type} from embed_tokens; "
+                "a drafter cannot share this target's embedding"
+            )
+        h = self.inner.embed_tokens(tokens)
+        return h if self.info.embed_scale == 1.0 else h * self.info.embed_scale
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The raw LM head (no target logit transforms); drafters apply their own."""
+        return self._head(hidden)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Target logits from final-normed hidden states (head + the family's transforms)."""
+        return self._transform(self._head(hidden))
+
+    def forward(self, tokens: mx.array, cache: list, taps: tuple[int, ...] = (),
+                logits: str = "all") -> tuple[mx.array | None, mx.array | None]:
+        """Run the target on `tokens [1, L]`, extending `cache`.
+
+        Args:
+            taps: decoder layer ids whose outputs to return, concatenated on the last axis.
+            logits: "all" positions, "last" position only, or "none" (prefill chunks).
+
+        Returns:
+            (logits [1, L or 1, V] or None, hidden [1, L, len(taps)·H] or None)
+        """
+        self._sink.wanted = frozenset(taps)
+        try:
+            if self.info.head_matches_model:
+                h = self.inner(tokens, cache=cache)
+                out = None
+                if logits == "all":
+                    out = self.logits(h)
+                elif logits == "last":
+                    out = self.logits(h[:, -1:])
+            else:
+                out = self.model(tokens, cache=cache)
+                out = out[:, -1:] if logits == "last" else (None if logits == "none" else out)
+            hidden = mx.concatenate([self._sink.outputs[i] for i in taps], axis=-1) if taps else None
+        finally:
+            self._sink.wanted = frozenset()
+            self._sink.outputs = {}
+        return out, hidden
+
+    def arm(self, cache: list) -> None:
+        """Checkpoint recurrent state before a verify pass that may be partly rejected."""
+        for c in cache:
+            if isinstance(c, RecurrentCache):
+                c.arm()
+
+    def commit(self, cache: list, n_fed: int, n_keep: int) -> None:
+        """Keep the first `n_keep` of the `n_fed` tokens of the last forward pass."""
+        if not 0 < n_keep <= n_fed:
+            raise ValueError(f"n_keep must be in [1, {n_fed}], got {n_keep}")
+        drop = n_fed - n_keep
+        for i, c in enumerate(cache):
+            if isinstance(c, RecurrentCache):
+                if drop:
+                    if c.tape is None:
+                        raise RuntimeError(f"layer {i}: recurrent cache was not armed before the verify pass")
+                    self._replayers[i].replay(c, n_keep)
+                c.disarm()
+            elif drop:
+                trimmed = c.trim(drop)
+                if trimmed != drop:
+                    raise RuntimeError(f"layer {i}: trimmed {trimmed} of {drop} tokens")
+
+
+def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_replay: bool = True) -> Target:
+    """Load an mlx-lm model directory or Hugging Face repo as a `Target`.
+
+    Args:
+        dtype: cast floating weights ("float32", "bfloat16", "float16"); None keeps them.
+    """
+    from mlx_lm import load
+
+    model, tokenizer = load(str(path_or_repo))
+    if dtype is not None:
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+        model.set_dtype(getattr(mx, dtype))
+    return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay)

@@ -1,0 +1,133 @@
+"""Lossless verification: analytic, Monte-Carlo (chi-square, with a power check), greedy."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats
+
+from dflash2_mlx import verify
+from dflash2_mlx.verify import dense_q, greedy_accept, one_hot_q, rejection_sample, residual_distribution
+from reference import np_ops
+
+rng = np.random.default_rng(1)
+
+
+def _dist(V, support=None):
+    x = rng.gamma(0.7, size=V)
+    if support is not None:
+        x = np.where(np.isin(np.arange(V), support), x, 0.0)
+    return x / x.sum()
+
+
+def _emitted_first(p, q):
+    """Exact distribution of the first emitted token, using verify's own residual."""
+    residual = np.array(residual_distribution(mx.array(p[None], dtype=mx.float32),
+                                              mx.array(q[None], dtype=mx.float32))[0], dtype=np.float64)
+    accept = np.minimum(p, q)
+    return accept + (1 - accept.sum()) * residual
+
+
+EDGE_CASES = {
+    "random": lambda V: (_dist(V), _dist(V)),
+    "p_equals_q": lambda V: (lambda d: (d, d.copy()))(_dist(V)),
+    "disjoint": lambda V: (_dist(V, [0, 1, 2]), _dist(V, [5, 6])),
+    "one_hot_p": lambda V: (np.eye(V)[3], _dist(V)),
+    "q_zero_where_p_positive": lambda V: (_dist(V), _dist(V, [1, 4])),
+    "sparse_q_on_candidates": lambda V: (_dist(V), _dist(V, rng.choice(V, 4, replace=False))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+def test_emitted_distribution_equals_p(case):
+    for _ in range(20):
+        p, q = EDGE_CASES[case](11)
+        np.testing.assert_allclose(_emitted_first(p, q), p, atol=2e-6)
+        np.testing.assert_allclose(np_ops.exact_output_dist(p, q), p, atol=1e-12)
+
+
+def test_dense_q_scatters_candidates():
+    q_rows = mx.array([[0.5, 0.3, 0.2]])
+    cands = mx.array([[7, 2, 4]])
+    dense = np.array(dense_q(q_rows, cands, 9))
+    assert dense[0].tolist() == pytest.approx([0, 0, 0.3, 0, 0.2, 0, 0, 0.5, 0])
+    assert np.array(one_hot_q(mx.array([2, 0]), 4)).tolist() == [[0, 0, 1, 0], [1, 0, 0, 0]]
+
+
+def test_greedy_accept():
+    assert greedy_accept([5, 6, 7], [5, 6, 9, 1]) == (2, 9)
+    assert greedy_accept([5, 6, 7], [5, 6, 7, 1]) == (3, 1)
+    assert greedy_accept([5, 6, 7], [4, 6, 7, 1]) == (0, 4)
+    with pytest.raises(ValueError, match="need 4 target rows"):
+        greedy_accept([5, 6, 7], [5, 6])
+
+
+# -- Monte Carlo on the real MLX verifier -----------------------------------------------
+# A toy target p(x_t | x_{t-1}) and a toy drafter q(x_t | x_{t-1}) on a vocab of 8. Drafts
+# are sampled from q one after another, each conditional on the previous draft, exactly as
+# the selector's sampled walk does. The first two emitted tokens must follow p.
+
+V, BLOCK, N_DRAWS, ALPHA = 8, 3, 12000, 1e-4
+P_TABLE = np.array([_dist(V) for _ in range(V)])
+Q_TABLE = np.array([_dist(V, rng.choice(V, 5, replace=False)) for _ in range(V)])
+ANCHOR = 0
+
+
+def _first_two_tokens(n_draws, seed):
+    p_table = mx.array(P_TABLE, dtype=mx.float32)
+    q_table = mx.array(Q_TABLE, dtype=mx.float32)
+    key = mx.random.key(seed)
+    counts = np.zeros((V, V))
+    accepted_first = 0
+    for _ in range(n_draws):
+        emitted, anchor = [], ANCHOR
+        while len(emitted) < 2:
+            key, k_draft, k_verify = mx.random.split(key, 3)
+            u = np.array(mx.random.uniform(shape=(BLOCK - 1,), key=k_draft))
+            drafts, prev = [], anchor
+            for i in range(BLOCK - 1):
+                prev = min(int(np.sum(np.cumsum(Q_TABLE[prev]) <= u[i])), V - 1)
+                drafts.append(prev)
+            d = mx.array(drafts)
+            p = p_table[mx.array([anchor] + drafts)]
+            q = q_table[mx.array([anchor] + drafts[:-1])]
+            n, nxt = rejection_sample(d, p, q, k_verify)
+            n = int(n.item())
+            if not emitted:
+                accepted_first += n > 0
+            emitted += drafts[:n] + [int(nxt.item())]
+            anchor = emitted[-1]
+        counts[emitted[0], emitted[1]] += 1
+    return counts, accepted_first
+
+
+def _joint_expected():
+    return P_TABLE[ANCHOR][:, None] * P_TABLE
+
+
+def _chi2_pvalue(counts, expected_probs):
+    expected = expected_probs.ravel() * counts.sum()
+    keep = expected > 0
+    assert counts.ravel()[~keep].sum() == 0, "a token with zero target probability was emitted"
+    return stats.chisquare(counts.ravel()[keep], expected[keep]).pvalue
+
+
+@pytest.fixture(scope="module")
+def monte_carlo():
+    return _first_two_tokens(N_DRAWS, seed=1234)
+
+
+def test_first_token_and_joint_follow_target(monte_carlo):
+    counts, accepted_first = monte_carlo
+    assert _chi2_pvalue(counts.sum(1), P_TABLE[ANCHOR]) > ALPHA
+    assert _chi2_pvalue(counts, _joint_expected()) > ALPHA
+    # First-position acceptance rate is sum_x min(p, q) (within 4 sigma).
+    rate = np.minimum(P_TABLE[ANCHOR], Q_TABLE[ANCHOR]).sum()
+    sigma = np.sqrt(rate * (1 - rate) / N_DRAWS)
+    assert abs(accepted_first / N_DRAWS - rate) < 4 * sigma
+
+
+def test_power_check_broken_verifier_fails(monkeypatch):
+    """Resampling from p instead of the residual is a classic bug; the test must catch it."""
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
+    counts, _ = _first_two_tokens(N_DRAWS // 2, seed=99)
+    assert _chi2_pvalue(counts, _joint_expected()) < ALPHA
