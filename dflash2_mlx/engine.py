@@ -270,7 +270,8 @@ class _Stopper:
 
 def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKENS,
                     sampling: SamplingParams | None = None, block_size: int | None = None,
-                    stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP):
+                    stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
+                    block_policy=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -282,6 +283,9 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         block_size: verify width (drafts + 1); default the drafter's trained block size.
         stop: strings that end generation (not included in the text).
         prefill_step_size: prompt chunk size (default 2048).
+        block_policy: optional object choosing the width of each cycle, with
+            `next_width(max_width) -> int` (1 = a plain decoding step) and
+            `observe(cycle: CycleStats)`; `block_size` is then the largest width.
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
@@ -314,17 +318,21 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
     yield event(kept, None, finish)
     while finish is None:
         remaining = max_tokens - len(stopper.tokens)
-        w = min(width, remaining)
+        w = min(block_policy.next_width(width) if block_policy is not None else width, width, remaining)
         emitted, cycle = _step_speculative(run, w) if drafter is not None and w >= 2 else _step_plain(run)
+        if block_policy is not None:
+            block_policy.observe(cycle)
         kept, finish = stopper.feed(emitted)
         run.history.extend(emitted)
         yield event(kept, cycle, finish)
 
 
-def generate(target, drafter, prompt, **kwargs) -> GenerationResult:
-    """Run `stream_generate` to the end and collect a `GenerationResult`."""
+def collect(events, on_text=None) -> GenerationResult:
+    """Drain `GenerationEvent`s into a `GenerationResult`, passing new text to `on_text`."""
     text, tokens, cycles, last = [], [], [], None
-    for ev in stream_generate(target, drafter, prompt, **kwargs):
+    for ev in events:
+        if on_text is not None and ev.text:
+            on_text(ev.text)
         text.append(ev.text)
         tokens.extend(ev.tokens)
         if ev.cycle is not None:
@@ -335,3 +343,8 @@ def generate(target, drafter, prompt, **kwargs) -> GenerationResult:
         prompt_tokens=last.prompt_tokens, prompt_tps=last.prompt_tps,
         generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb, cycles=cycles,
     )
+
+
+def generate(target, drafter, prompt, **kwargs) -> GenerationResult:
+    """Run `stream_generate` to the end and collect a `GenerationResult`."""
+    return collect(stream_generate(target, drafter, prompt, **kwargs))

@@ -135,3 +135,26 @@ def tiny_drafter(target: Target | None, arch: str = "dflash2", seed: int = 1, id
     if target is not None:
         drafter.bind(target)
     return drafter
+
+
+def save_tiny_pair(root, family: str = "llama", arch: str = "dflash2", seed: int = 0, **drafter_kwargs):
+    """Write a tiny target (mlx-lm layout) and a tiny drafter (published layout) under `root`.
+
+    Returns (target_dir, drafter_dir); both load with `load_target` / `load_drafter` and the CLI.
+    """
+    import json
+    from pathlib import Path
+
+    from mlx_lm.utils import save_model
+
+    from dflash2_mlx.drafter.load import save_drafter
+
+    root = Path(root)
+    target_dir, drafter_dir = root / f"tiny-{family}", root / f"tiny-{family}-{arch}"
+    model = tiny_model(family, seed)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    save_model(target_dir, model)
+    (target_dir / "config.json").write_text(json.dumps(FAMILIES[family]))
+    TinyTokenizer.make()._tokenizer.save_pretrained(str(target_dir))
+    save_drafter(tiny_drafter(None, arch, **drafter_kwargs), drafter_dir)
+    return target_dir, drafter_dir

@@ -1,0 +1,69 @@
+"""Shared CLI pieces: option aliases, error handling, output helpers."""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+ModelArg = Annotated[
+    Optional[str],
+    typer.Argument(help="Alias from `dflash2 models`, a local model directory, a Hugging Face repo id, "
+                        "or a .gguf file. Default: the built-in demo pair."),
+]
+DrafterOpt = Annotated[
+    Optional[str],
+    typer.Option("--drafter", "-d", help="Drafter directory or HF repo, or 'none' for plain decoding. "
+                                          "Default: the model's registered drafter."),
+]
+MaxTokensOpt = Annotated[int, typer.Option("--max-tokens", "-n", min=1, help="Most tokens to generate.")]
+TempOpt = Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature; 0 = greedy.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass (1 = off).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", min=0, help="Keep the k most likely tokens (0 = off).")]
+SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="RNG seed; the same seed repeats a sampled run.")]
+BlockSizeOpt = Annotated[
+    Optional[str],
+    typer.Option("--block-size", "-b", help="Verify width (drafts + 1), an integer >= 2, or 'auto' to pick it "
+                                             "from measured costs. Default: the model's registered value."),
+]
+DraftBitsOpt = Annotated[Optional[int], typer.Option("--draft-bits", help="Quantize the drafter to 4 or 8 bits.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+
+
+def fail(message: str) -> None:
+    """Print one error line and exit with code 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def user_errors(fn):
+    """Turn `DFlashError` (and bad values) into one line + exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from ..errors import DFlashError
+
+        try:
+            return fn(*args, **kwargs)
+        except DFlashError as e:
+            fail(str(e))
+        except KeyboardInterrupt:
+            typer.echo("", err=True)
+            raise typer.Exit(130)
+
+    return wrapper
+
+
+def print_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def prepare_process() -> None:
+    """Process-wide setup before any command runs (e.g. a faster BLAS on Linux)."""
+    from . import _blas
+
+    _blas.maybe_reexec_with_openblas()

