@@ -70,27 +70,39 @@ class DraftAttention(nn.Module):
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
     def _heads(self, x, n, norm=None):
-        B, L, _ = x.shape
-        x = x.reshape(B, L, n, self.head_dim)
-        return (norm(x) if norm is not None else x).transpose(0, 2, 1, 3)
+        *lead, L, _ = x.shape
+        x = x.reshape(*lead, L, n, self.head_dim)
+        return (norm(x) if norm is not None else x).swapaxes(-2, -3)
+
+    def context_kv(self, ctx: mx.array, rope, offset) -> tuple[mx.array, mx.array]:
+        """Keys/values of fused context rows [B, S, H] at positions offset.. -> [B, kv, S, D] each."""
+        k = rope(self._heads(self.k_proj(ctx), self.n_kv_heads, self.k_norm), offset=offset)
+        return k, self._heads(self.v_proj(ctx), self.n_kv_heads)
+
+    def block_qkv(self, x: mx.array, rope, offset):
+        """Queries/keys/values of block rows [B, L, H] starting at position `offset` (int or [B])."""
+        q = rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), offset=offset)
+        k = rope(self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm), offset=offset)
+        return q, k, self._heads(self.v_proj(x), self.n_kv_heads)
+
+    def attend(self, q: mx.array, keys: mx.array, values: mx.array, mask) -> mx.array:
+        """SDPA + output projection. q [B, heads, L, D] -> [B, L, H]."""
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        B, _, L, _ = q.shape
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
     def __call__(self, x: mx.array, ctx: mx.array, cache, rope) -> mx.array:
-        """x: block [B, L, H]; ctx: new fused context rows [B, S, H] (S may be 0)."""
-        B, L, _ = x.shape
+        """Inference: x is the block [B, L, H]; ctx holds the new fused context rows [B, S, H]
+        (S may be 0), appended to `cache` at their absolute positions."""
+        L = x.shape[1]
         if ctx.shape[1]:
-            k_ctx = rope(self._heads(self.k_proj(ctx), self.n_kv_heads, self.k_norm), offset=cache.offset)
-            k_ctx, v_ctx = cache.update_and_fetch(k_ctx, self._heads(self.v_proj(ctx), self.n_kv_heads))
+            k_ctx, v_ctx = cache.update_and_fetch(*self.context_kv(ctx, rope, cache.offset))
         else:
             k_ctx, v_ctx = _stored(cache)
-        start = cache.offset
-        q = rope(self._heads(self.q_proj(x), self.n_heads, self.q_norm), offset=start)
-        k_blk = rope(self._heads(self.k_proj(x), self.n_kv_heads, self.k_norm), offset=start)
-        v_blk = self._heads(self.v_proj(x), self.n_kv_heads)
+        q, k_blk, v_blk = self.block_qkv(x, rope, cache.offset)
         keys = mx.concatenate([k_ctx, k_blk], axis=2)
         values = mx.concatenate([v_ctx, v_blk], axis=2)
-        mask = block_attention_mask(k_ctx.shape[2], L, self.window, self.causal)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
-        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
+        return self.attend(q, keys, values, block_attention_mask(k_ctx.shape[2], L, self.window, self.causal))
 
 
 class DraftLayer(nn.Module):
@@ -104,12 +116,14 @@ class DraftLayer(nn.Module):
             self.attention_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
             self.mlp_conv = GroupedDynamicCausalConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
 
-    def __call__(self, x, ctx, cache, rope):
+    def __call__(self, x, attention):
+        """`attention(self_attn, u)` runs the attention sublayer on its (convolved) input, so
+        inference (cached context) and training (many blocks, block mask) share this code."""
         if "attention_conv" not in self:
-            x = x + self.self_attn(self.input_layernorm(x), ctx, cache, rope)
+            x = x + attention(self.self_attn, self.input_layernorm(x))
             return x + self.mlp(self.post_attention_layernorm(x))
         u, dyn = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(u, ctx, cache, rope), dyn)
+        x = x + self.attention_conv.finish(attention(self.self_attn, u), dyn)
         u, dyn = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(u), dyn)
 
@@ -169,7 +183,7 @@ class Drafter(nn.Module):
             x = x * self.config.input_embedding_scale
         ctx = self.fuse_context(target_hidden)
         for layer, kv in zip(self.layers, cache):
-            x = layer(x, ctx, kv, self.rope)
+            x = layer(x, lambda attn, u, kv=kv: attn(u, ctx, kv, self.rope))
         return self.norm(x)
 
     def logits(self, hidden: mx.array) -> mx.array:

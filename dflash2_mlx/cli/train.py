@@ -1,0 +1,147 @@
+"""`dflash2 train`: make DFlash / DFlash 2 drafters for a target, in MLX.
+
+Two steps, both resumable:
+
+  dflash2 train prepare-data TARGET --out data/smol --n-prompts 2688
+  dflash2 train fit TARGET --data data/smol --out my-drafter --arch dflash2 --layers 2 --steps 3000
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import ModelArg, print_json, user_errors
+
+train_app = typer.Typer(help="Train drafters: generate data from the target, then fit.", no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(train_app, name="train")
+
+
+def _target(model):
+    from .. import hub
+    from ..target import load_target
+
+    spec = hub.resolve(model, "none")
+    return load_target(spec.target, dtype=spec.defaults.get("dtype"))
+
+
+def _ids(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@train_app.command("prepare-data", help="Prompts (ShareGPT) -> the target's own responses -> tapped hidden "
+                                        "states, in resumable shards under OUT.")
+@user_errors
+def prepare_data(
+    model: ModelArg = None,
+    out: Annotated[Path, typer.Option("--out", help="Output directory (gen/ and feat/ shards).")] = Path("data"),
+    n_prompts: Annotated[int, typer.Option("--n-prompts", min=1, help="How many prompts to answer.")] = 2688,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 192,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences generated at once.")] = 64,
+    shard_size: Annotated[int, typer.Option("--shard-size", min=1)] = 128,
+    taps: Annotated[Optional[str], typer.Option("--taps", help="Target layer ids to store, e.g. 1,8,14,20,27 "
+                                                                "(default: 5 spread over the depth).")] = None,
+    n_taps: Annotated[int, typer.Option("--n-taps", min=1)] = 5,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    temperature: Annotated[float, typer.Option("--temp", min=0.0, help="Response sampling temperature.")] = 0.0,
+) -> None:
+    from ..train.data import extract_features, generate_responses, sharegpt_prompts
+    from ..train.init import default_target_layer_ids
+
+    target = _target(model)
+    layer_ids = _ids(taps) or default_target_layer_ids(target.n_layers, n_taps)
+    prompts = sharegpt_prompts(n_prompts, seed=seed)
+    gens = generate_responses(target, prompts, out / "gen", max_new_tokens=max_new_tokens,
+                              max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
+                              shard_size=shard_size, temperature=temperature)
+    feats = extract_features(target, gens, tuple(layer_ids), out / "feat")
+    typer.echo(f"{len(prompts)} prompts -> {len(feats)} feature shards in {out / 'feat'} (taps {layer_ids})")
+
+
+@train_app.command("fit", help="Train a drafter on prepared features; writes config.json + model.safetensors "
+                               "(the published layout) to OUT, with checkpoints for --resume.")
+@user_errors
+def fit(
+    model: ModelArg = None,
+    data: Annotated[Path, typer.Option("--data", help="Directory made by prepare-data.")] = Path("data"),
+    out: Annotated[Path, typer.Option("--out", help="Drafter output directory.")] = Path("drafter"),
+    arch: Annotated[str, typer.Option("--arch", help="dflash2 (selector + convs) or dflash (v1).")] = "dflash2",
+    layers: Annotated[int, typer.Option("--layers", min=1)] = 2,
+    block_size: Annotated[int, typer.Option("--block-size", min=2)] = 8,
+    selector_rank: Annotated[int, typer.Option("--selector-rank", min=1)] = 64,
+    top_k: Annotated[int, typer.Option("--top-k", min=1, help="Selector candidates per position.")] = 16,
+    mask_token_id: Annotated[Optional[int], typer.Option("--mask-token-id")] = None,
+    init_from: Annotated[Optional[Path], typer.Option("--init-from", help="Upgrade this v1 drafter to v2.")] = None,
+    freeze_backbone: Annotated[bool, typer.Option("--freeze-backbone", help="With --init-from: train only "
+                                                                            "convs + selector.")] = False,
+    steps: Annotated[int, typer.Option("--steps", min=1)] = 3000,
+    seqs: Annotated[int, typer.Option("--seqs", min=1, help="Sequences per batch.")] = 8,
+    anchors: Annotated[int, typer.Option("--anchors", min=1, help="Blocks per sequence.")] = 16,
+    lr: Annotated[float, typer.Option("--lr", min=0.0)] = 6e-4,
+    eval_every: Annotated[int, typer.Option("--eval-every", min=1)] = 100,
+    save_every: Annotated[int, typer.Option("--save-every", min=1)] = 100,
+    holdout_shards: Annotated[int, typer.Option("--holdout-shards", min=0)] = 1,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoint.")] = True,
+) -> None:
+    from ..drafter.load import load_drafter
+    from ..train.init import new_config, new_drafter, upgrade_to_v2
+    from ..train.loop import FeatureDataset, TrainConfig, Trainer
+    from ..train.model import FrozenParts
+
+    target = _target(model)
+    shards = sorted((data / "feat").glob("feat-*.safetensors"))
+    if len(shards) <= holdout_shards:
+        raise typer.BadParameter(f"{data / 'feat'} has {len(shards)} shards; need more than --holdout-shards "
+                                 f"{holdout_shards}")
+    taps = json.loads((data / "feat" / "taps.json").read_text())["target_layer_ids"]
+    if init_from is not None:
+        drafter = upgrade_to_v2(load_drafter(init_from, target), selector_rank, top_k, seed)
+        if list(drafter.config.target_layer_ids) != taps:
+            raise typer.BadParameter(f"--init-from drafter taps {list(drafter.config.target_layer_ids)} != data "
+                                     f"taps {taps}")
+    else:
+        config = new_config(target, arch, n_layers=layers, block_size=block_size, target_layer_ids=taps,
+                            mask_token_id=mask_token_id, selector_rank=selector_rank, selector_top_k=top_k)
+        drafter = new_drafter(config, seed)
+    cfg = TrainConfig(steps=steps, seqs_per_batch=seqs, anchors_per_seq=anchors, lr=lr, eval_every=eval_every,
+                      save_every=save_every, seed=seed, freeze_backbone=freeze_backbone)
+    train_shards, eval_shards = shards[: len(shards) - holdout_shards], shards[len(shards) - holdout_shards :]
+    trainer = Trainer(drafter, FrozenParts.from_target(target), FeatureDataset(train_shards), cfg, out,
+                      eval_data=FeatureDataset(eval_shards) if eval_shards else None)
+    if resume and trainer.resume():
+        typer.echo(f"resumed from {out / 'checkpoint'} at step {trainer.state.step}", err=True)
+    state = trainer.run()
+    typer.echo(f"wrote {out} after {state.step} steps", err=True)
+
+
+@train_app.command("eval", help="Held-out τ of a drafter: greedy speculative decoding on benchmark prompts.")
+@user_errors
+def evaluate(
+    model: ModelArg = None,
+    drafter: Annotated[Path, typer.Option("--drafter", help="The drafter to evaluate.")] = Path("drafter"),
+    suites: Annotated[str, typer.Option("--suite", help="Comma-separated suites.")] = "gsm8k,humaneval,mtbench",
+    n: Annotated[int, typer.Option("--n", min=1, help="Prompts per suite.")] = 16,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 128,
+    block_size: Annotated[int, typer.Option("--block-size", min=2)] = 8,
+    json_out: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    from ..train.evaluate import evaluate_drafter, render_eval
+
+    report = evaluate_drafter(model, drafter, suites.split(","), n, max_tokens, block_size)
+    if json_out:
+        print_json(report)
+    else:
+        render_eval(report)
