@@ -1,0 +1,371 @@
+"""Block size (verify width) from measured costs and acceptance: never slower than plain decoding.
+
+A cycle of width w costs `cycle_s[w]` seconds (target forward of w tokens + one drafter call;
+w = 1 is a plain decoding step) and emits on average
+
+    E[tokens | w] = 1 + sum_{k=1}^{w-1} prod_{i<=k} a_i
+
+tokens, where a_i is the conditional acceptance of block position i (accepted given the drafts
+before it were). The policy picks the width with the most expected tokens per second, and
+decodes plainly (width 1) whenever no speculative width is predicted to beat it.
+
+The decision part is pure Python (no mlx): `choose_width` over `Costs` and an acceptance
+curve, `AcceptanceEstimate` (decayed counts, unseen positions inherit their predecessor), and
+`AdaptiveBlockPolicy`, the object the engine calls (`next_width`, `observe`). Costs come from a
+per-machine, per-model calibration (`calibration.py` measures them; this module caches them
+as JSON under the user cache dir) plus per-cycle overheads learned from the times the engine
+reports, so context growth and machine load move the choice too.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+DEFAULT_HYSTERESIS = 0.05  # a new width must be predicted this much faster to replace the current one
+DEFAULT_DECAY = 0.97  # per speculative cycle: acceptance evidence fades over ~30 cycles
+DEFAULT_PRIOR_ACCEPTANCE = 0.6
+DEFAULT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
+DEFAULT_PROBE_EVERY = 32  # plain steps between speculative probes while speculation is off
+DEFAULT_COST_EMA = 0.1
+CALIBRATION_SCHEMA = 1
+
+log = logging.getLogger(__name__)
+
+
+# -- costs and the expected rate --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured seconds, indexed by width - 1 (index 0 = a plain decoding step).
+
+    target_s[w-1]: one target forward of w tokens (logits + argmax, taps included);
+    draft_s[w-1]:  one drafter call proposing w - 1 tokens (0 for w = 1).
+    """
+
+    target_s: tuple[float, ...]
+    draft_s: tuple[float, ...]
+
+    def __post_init__(self):
+        if not self.target_s or len(self.target_s) != len(self.draft_s):
+            raise ValueError(f"target_s ({len(self.target_s)}) and draft_s ({len(self.draft_s)}) "
+                             "must be non-empty and of equal length")
+        if any(not s > 0 for s in self.target_s) or any(s < 0 for s in self.draft_s):
+            raise ValueError(f"costs must be positive, got target_s={self.target_s} draft_s={self.draft_s}")
+
+    @property
+    def max_width(self) -> int:
+        return len(self.target_s)
+
+    def cycle_s(self, width: int) -> float:
+        return self.target_s[width - 1] + self.draft_s[width - 1]
+
+
+def expected_tokens(acceptance: Sequence[float], width: int) -> float:
+    """Mean tokens emitted by a cycle of `width` (bonus included) under conditional acceptance."""
+    total, survive = 1.0, 1.0
+    for k in range(width - 1):
+        survive *= acceptance[k] if k < len(acceptance) else (acceptance[-1] if acceptance else 0.0)
+        total += survive
+    return total
+
+
+def expected_rates(costs: Costs, acceptance: Sequence[float], max_width: int,
+                   plain_overhead_s: float = 0.0, spec_overhead_s: float = 0.0) -> list[float]:
+    """Predicted tokens/s for widths 1..max_width (index = width - 1).
+
+    The overheads are per-cycle seconds the engine spends beyond the calibrated forward
+    passes (host work, syncs), learned online; a cycle never costs less than half its
+    calibrated time.
+    """
+    rates = []
+    for w in range(1, min(max_width, costs.max_width) + 1):
+        base = costs.cycle_s(w)
+        seconds = max(base + (plain_overhead_s if w == 1 else spec_overhead_s), base / 2)
+        rates.append(expected_tokens(acceptance, w) / seconds)
+    return rates
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """A width (1 = plain decoding) with its predicted rate and the plain rate it must beat."""
+
+    width: int
+    rate: float
+    plain_rate: float
+
+    @property
+    def speculate(self) -> bool:
+        return self.width >= 2
+
+    @property
+    def predicted_speedup(self) -> float:
+        return self.rate / self.plain_rate
+
+
+def choose_width(rates: Sequence[float], current: int | None = None,
+                 hysteresis: float = DEFAULT_HYSTERESIS) -> BlockChoice:
+    """The width to use next, given predicted rates for widths 1..len(rates).
+
+    Speculation must be predicted faster than plain decoding; switching into it, or between
+    speculative widths, needs a margin of `hysteresis` (so estimates that wobble do not make
+    the width flap). Leaving speculation needs no margin: a speculative width predicted
+    slower than plain decoding is dropped at once ("never slower than AR").
+    """
+    plain = rates[0]
+    best = max(range(1, len(rates) + 1), key=lambda w: (rates[w - 1], -w))
+    cur = current if current is not None and 1 <= current <= len(rates) else None
+    if cur is not None and cur >= 2 and rates[cur - 1] < plain:
+        cur = 1
+    if best == 1 or rates[best - 1] <= plain:
+        return BlockChoice(1, plain, plain)
+    if cur is None:
+        return BlockChoice(best, rates[best - 1], plain)
+    if best != cur and rates[best - 1] > rates[cur - 1] * (1 + hysteresis):
+        return BlockChoice(best, rates[best - 1], plain)
+    return BlockChoice(cur, rates[cur - 1], plain)
+
+
+# -- the running acceptance estimate ----------------------------------------------------
+
+
+class AcceptanceEstimate:
+    """Per-position conditional acceptance from decayed counts of observed cycles.
+
+    Position i's estimate is (accepted_i + w0 * prior_i) / (reached_i + w0) where prior_i is
+    the estimate of position i - 1 (the first position's prior is `prior`): positions never
+    reached inherit their predecessor's rate, so longer blocks get tried and then measured.
+    """
+
+    def __init__(self, n_positions: int, prior: float = DEFAULT_PRIOR_ACCEPTANCE,
+                 prior_weight: float = DEFAULT_PRIOR_WEIGHT, decay: float = DEFAULT_DECAY):
+        if not 0 <= prior <= 1:
+            raise ValueError(f"prior acceptance must be in [0, 1], got {prior}")
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.accepted = [0.0] * n_positions
+        self.reached = [0.0] * n_positions
+
+    def observe(self, n_drafted: int, n_accepted: int) -> None:
+        for i in range(len(self.accepted)):
+            self.accepted[i] *= self.decay
+            self.reached[i] *= self.decay
+        for i in range(min(n_drafted, len(self.accepted))):
+            if n_accepted >= i:  # drafts before position i + 1 were all accepted
+                self.reached[i] += 1.0
+                self.accepted[i] += 1.0 if n_accepted > i else 0.0
+
+    def rates(self) -> list[float]:
+        out, prior = [], self.prior
+        for acc, reach in zip(self.accepted, self.reached):
+            prior = (acc + self.prior_weight * prior) / (reach + self.prior_weight)
+            out.append(prior)
+        return out
+
+
+# -- the policy the engine calls --------------------------------------------------------
+
+
+@dataclass
+class PolicyTrace:
+    """What the policy decided, for bench/diagnostics (widths chosen, switches, probes)."""
+
+    widths: list[int] = field(default_factory=list)
+    n_switches: int = 0
+    n_probes: int = 0
+
+
+class AdaptiveBlockPolicy:
+    """Picks each cycle's width from calibrated costs and the running acceptance estimate.
+
+    Args:
+        costs: calibrated `Costs` (widths 1..costs.max_width).
+        prior, prior_weight, decay: see `AcceptanceEstimate`.
+        hysteresis: see `choose_width`.
+        probe_every: while decoding plainly, try one speculative cycle every this many steps
+            so a rising acceptance is noticed; never when even perfect acceptance would lose.
+        cost_ema: weight of each observed cycle time in the online overhead estimates.
+    """
+
+    def __init__(self, costs: Costs, prior: float = DEFAULT_PRIOR_ACCEPTANCE,
+                 prior_weight: float = DEFAULT_PRIOR_WEIGHT, decay: float = DEFAULT_DECAY,
+                 hysteresis: float = DEFAULT_HYSTERESIS, probe_every: int = DEFAULT_PROBE_EVERY,
+                 cost_ema: float = DEFAULT_COST_EMA):
+        self.costs = costs
+        self.acceptance = AcceptanceEstimate(costs.max_width - 1, prior, prior_weight, decay)
+        self.hysteresis, self.probe_every, self.cost_ema = hysteresis, probe_every, cost_ema
+        self.plain_overhead_s, self.spec_overhead_s = 0.0, 0.0
+        self.current: int | None = None
+        self.plain_run = 0
+        self.trace = PolicyTrace()
+
+    def rates(self, max_width: int) -> list[float]:
+        return expected_rates(self.costs, self.acceptance.rates(), max_width, self.plain_overhead_s,
+                              self.spec_overhead_s)
+
+    def choice(self, max_width: int) -> BlockChoice:
+        return choose_width(self.rates(max_width), self.current, self.hysteresis)
+
+    def can_ever_win(self, max_width: int) -> bool:
+        """Whether some width beats plain decoding even if every draft were accepted."""
+        perfect = expected_rates(self.costs, [1.0], max_width, self.plain_overhead_s, self.spec_overhead_s)
+        return max(perfect[1:], default=0.0) > perfect[0]
+
+    def next_width(self, max_width: int) -> int:
+        picked = self.choice(max_width)
+        width = picked.width
+        if width == 1 and self.probe_every and self.plain_run + 1 >= self.probe_every \
+                and max_width >= 2 and self.can_ever_win(max_width):
+            rates = self.rates(max_width)
+            width = max(range(2, len(rates) + 1), key=lambda w: (rates[w - 1], -w))
+            self.trace.n_probes += 1
+        else:
+            if self.current is not None and picked.width != self.current:
+                self.trace.n_switches += 1
+            self.current = picked.width
+        self.trace.widths.append(width)
+        return width
+
+    def observe(self, cycle) -> None:
+        """Learn from a `CycleStats`: acceptance from speculative cycles, overheads from all."""
+        if cycle.n_drafted > 0:
+            self.plain_run = 0
+            self.acceptance.observe(cycle.n_drafted, cycle.n_accepted)
+            self.spec_overhead_s = self._update_overhead(self.spec_overhead_s, cycle)
+        else:
+            self.plain_run += 1
+            self.plain_overhead_s = self._update_overhead(self.plain_overhead_s, cycle)
+
+    def _update_overhead(self, overhead: float, cycle) -> float:
+        if not 1 <= cycle.width <= self.costs.max_width:
+            return overhead
+        base = self.costs.cycle_s(cycle.width)
+        # Clip single observations: the first cycle also pays the drafter's prompt context.
+        delta = min(max(cycle.draft_s + cycle.verify_s - base, -base / 2), overhead + base)
+        return (1 - self.cost_ema) * overhead + self.cost_ema * delta
+
+
+class FixedBlockPolicy:
+    """Always the same width (the engine's behaviour without a policy); a twin for tests."""
+
+    def __init__(self, width: int):
+        self.width = width
+
+    def next_width(self, max_width: int) -> int:
+        return min(self.width, max_width)
+
+    def observe(self, cycle) -> None:
+        pass
+
+
+# -- calibration cache ------------------------------------------------------------------
+
+
+@dataclass
+class Calibration:
+    """Measured costs of one model pair on one machine, as cached on disk."""
+
+    key: str
+    costs: Costs
+    machine: dict
+    model: dict
+    created: float = field(default_factory=time.time)
+    n_context: int = 0
+    repeats: int = 0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["costs"] = {"target_s": list(self.costs.target_s), "draft_s": list(self.costs.draft_s)}
+        out["schema"] = CALIBRATION_SCHEMA
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Calibration":
+        if data.get("schema") != CALIBRATION_SCHEMA:
+            raise ValueError(f"calibration schema {data.get('schema')!r}, expected {CALIBRATION_SCHEMA}")
+        costs = Costs(tuple(data["costs"]["target_s"]), tuple(data["costs"]["draft_s"]))
+        return cls(key=data["key"], costs=costs, machine=data["machine"], model=data["model"],
+                   created=data["created"], n_context=data.get("n_context", 0), repeats=data.get("repeats", 0))
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflash2" / "calibration"
+
+
+def load_calibration(key: str, cache_dir: Path | None = None) -> Calibration | None:
+    path = Path(cache_dir or default_cache_dir()) / f"{key}.json"
+    try:
+        return Calibration.from_dict(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, from another schema, or damaged: measure again
+
+
+def save_calibration(cal: Calibration, cache_dir: Path | None = None) -> Path:
+    folder = Path(cache_dir or default_cache_dir())
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{cal.key}.json"
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cal.to_dict(), indent=2))
+    os.replace(tmp, path)
+    return path
+
+
+def calibration_info(cache_dir: Path | None = None) -> list[dict]:
+    """Every cached calibration, newest first, summarised for `dflash2 doctor`."""
+    folder = Path(cache_dir or default_cache_dir())
+    out = []
+    for path in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        cal = load_calibration(path.stem, folder)
+        if cal is None:
+            continue
+        rates = expected_rates(cal.costs, [1.0], cal.costs.max_width)
+        out.append({
+            "path": str(path),
+            "target": cal.model.get("target", {}).get("path"),
+            "drafter": cal.model.get("drafter", {}).get("path"),
+            "machine": cal.machine.get("summary"),
+            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(cal.created)),
+            "max_width": cal.costs.max_width,
+            "plain_ms": 1e3 * cal.costs.target_s[0],
+            "cost_ratio_by_width": [round(cal.costs.cycle_s(w) / cal.costs.target_s[0], 3)
+                                    for w in range(1, cal.costs.max_width + 1)],
+            "speculation_can_win": max(rates[1:], default=0.0) > rates[0],
+            "created_ts": cal.created,
+        })
+    out.sort(key=lambda d: -d.pop("created_ts"))
+    return out
+
+
+def get_calibration(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
+                    refresh: bool = False, progress=None) -> Calibration:
+    """The cached calibration for this machine + pair, measuring it first if needed."""
+    from . import calibration as measure
+
+    width = max(2, max_width or drafter.config.block_size)
+    machine, model = measure.machine_fingerprint(), measure.model_fingerprint(target, drafter)
+    key = measure.calibration_key(machine, model)
+    cal = None if refresh else load_calibration(key, cache_dir)
+    if cal is None or cal.costs.max_width < width:
+        log.warning("measuring target and drafter costs for widths 1..%d on this machine "
+                    "(once; cached in %s)", width, Path(cache_dir or default_cache_dir()))
+        cal = measure.calibrate(target, drafter, width, key=key, machine=machine, model=model,
+                                progress=progress)
+        save_calibration(cal, cache_dir)
+    return cal
+
+
+def auto_policy(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
+                progress=None, **policy_kwargs) -> AdaptiveBlockPolicy:
+    """A fresh `AdaptiveBlockPolicy` for this pair (what `--block-size auto` uses).
+
+    Loads the pair's calibration for this machine from the cache, or measures it once
+    (a few seconds) and caches it under `default_cache_dir()`.
+    """
+    cal = get_calibration(target, drafter, max_width, cache_dir, progress=progress)
+    return AdaptiveBlockPolicy(cal.costs, **policy_kwargs)

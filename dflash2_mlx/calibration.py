@@ -1,0 +1,155 @@
+"""Measure what `block_policy` needs on this machine: target forward and drafter costs by width.
+
+`calibrate` prefills the target with a fixed context, then times, for every width w in
+1..max_width, one target forward of w tokens (taps, logits of every position, argmax) and one
+drafter call proposing w - 1 tokens, exactly the two halves of an engine cycle. Widths are
+interleaved within each round so drift (thermal, other processes) spreads evenly; the first
+round warms up shapes and is discarded; each cost is the median of the remaining rounds.
+Both caches are rolled back to one new token per measurement, so the context stays put.
+
+The cache key covers the machine (CPU/GPU, OS, MLX version, BLAS) and the pair (paths, file
+sizes and times, shapes, dtypes, quantization), so a change to any of them measures again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from .block_policy import Calibration, Costs
+
+DEFAULT_CONTEXT = 256
+DEFAULT_REPEATS = 3
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_fingerprint() -> dict:
+    """What makes timings on this machine differ from another's."""
+    try:
+        info = mx.device_info()
+        device = str(info.get("device_name") or info.get("architecture") or "")
+    except Exception:  # device_info is absent on some backends/builds
+        device = ""
+    blas = "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled"
+    fields = {
+        "host": platform.node(),
+        "system": f"{platform.system()} {platform.machine()}",
+        "cpu": _cpu_name(),
+        "n_cpus": os.cpu_count(),
+        "device": str(mx.default_device()),
+        "device_name": device,
+        "mlx": mx.__version__,
+        "blas": blas if platform.system() == "Linux" else "system",
+    }
+    gpu = f" / {device}" if device else ""
+    fields["summary"] = f"{fields['cpu']}{gpu}, {fields['device']}, mlx {fields['mlx']}, {fields['blas']} BLAS"
+    return fields
+
+
+def _files_stamp(path) -> list:
+    folder = Path(path) if path else None
+    if folder is None or not folder.is_dir():
+        return []
+    return [[f.name, f.stat().st_size, int(f.stat().st_mtime)] for f in sorted(folder.glob("*.safetensors"))]
+
+
+def _weights_kind(module) -> dict:
+    """Dtypes, quantization and a cheap checksum (tells apart same-shaped weights)."""
+    leaves = tree_flatten(module.parameters())
+    first = next((v for _, v in leaves if v.ndim >= 2), None)
+    checksum = None if first is None else round(float(mx.sum(first[:8].astype(mx.float32)).item()), 4)
+    return {"dtypes": sorted({str(v.dtype) for _, v in leaves}),
+            "quantized": any(name.endswith("scales") for name, _ in leaves), "checksum": checksum}
+
+
+def model_fingerprint(target, drafter) -> dict:
+    """The target and drafter facts that change their costs."""
+    drafter_path = getattr(drafter, "path", None)
+    return {
+        "target": {"path": target.path, "model_type": target.info.model_type, "n_layers": target.info.n_layers,
+                   "hidden_size": target.info.hidden_size, "vocab_size": target.info.vocab_size,
+                   "files": _files_stamp(target.path), **_weights_kind(target.model)},
+        "drafter": {"path": str(drafter_path) if drafter_path else None, "arch": drafter.config.arch,
+                    "n_layers": drafter.config.num_hidden_layers, "hidden_size": drafter.config.hidden_size,
+                    "block_size": drafter.config.block_size, "files": _files_stamp(drafter_path),
+                    **_weights_kind(drafter)},
+    }
+
+
+def calibration_key(machine: dict, model: dict) -> str:
+    blob = json.dumps({"machine": machine, "model": model}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def _time_target(target, cache, taps, tokens: mx.array) -> tuple[float, mx.array]:
+    width = tokens.shape[1]
+    target.arm(cache)
+    t0 = time.perf_counter()
+    logits, hidden = target.forward(tokens, cache, taps, "all" if width > 1 else "last")
+    choice = mx.argmax(logits, axis=-1)
+    mx.eval(choice, hidden)
+    seconds = time.perf_counter() - t0
+    target.commit(cache, n_fed=width, n_keep=1)
+    return seconds, hidden[:, :1]
+
+
+def _time_drafter(drafter, cache, anchor: mx.array, ctx: mx.array, width: int) -> float:
+    t0 = time.perf_counter()
+    proposal = drafter.propose(anchor, ctx, cache, width, 0.0)
+    mx.eval(proposal.tokens)
+    return time.perf_counter() - t0
+
+
+def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONTEXT,
+                  repeats: int = DEFAULT_REPEATS, progress=None) -> Costs:
+    """Median seconds of a target forward and a drafter call for widths 1..max_width.
+
+    `progress(done, total)` is called after each round, if given.
+    """
+    rng = np.random.default_rng(0)
+    vocab = target.info.vocab_size
+    ids = mx.array(rng.integers(3, vocab, size=(1, n_context + max_width)), dtype=mx.int32)
+    taps = tuple(drafter.config.target_layer_ids)
+    cache = target.make_cache(reserve=max_width)
+    _, hidden = target.forward(ids[:, :n_context], cache, taps, "last")
+    draft_cache = drafter.make_cache()
+    anchor = ids[0, n_context : n_context + 1]
+    mx.eval(drafter.propose(anchor, hidden, draft_cache, 2, 0.0).tokens)
+    target_s = [[] for _ in range(max_width)]
+    draft_s = [[] for _ in range(max_width)]
+    for rnd in range(repeats + 1):
+        order = list(range(1, max_width + 1))
+        order = order[rnd % max_width:] + order[: rnd % max_width]
+        for w in order:
+            t_target, ctx = _time_target(target, cache, taps, ids[:, n_context : n_context + w])
+            t_draft = _time_drafter(drafter, draft_cache, anchor, ctx, w) if w >= 2 else 0.0
+            if rnd > 0:  # round 0 warms up every shape
+                target_s[w - 1].append(t_target)
+                draft_s[w - 1].append(t_draft)
+        if progress is not None:
+            progress(rnd + 1, repeats + 1)
+    return Costs(tuple(statistics.median(s) for s in target_s), tuple(statistics.median(s) for s in draft_s))
+
+
+def calibrate(target, drafter, max_width: int, key: str, machine: dict, model: dict,
+              n_context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS, progress=None) -> Calibration:
+    costs = measure_costs(target, drafter, max_width, n_context, repeats, progress)
+    return Calibration(key=key, costs=costs, machine=machine, model=model, n_context=n_context, repeats=repeats)

@@ -1,0 +1,207 @@
+"""Block policy: expected-rate arithmetic, width choice on synthetic curves, the online policy
+in a simulated environment (right width, no flapping, never speculating when it loses), the
+calibration cache, and `auto_policy` on a tiny pair through the real engine."""
+
+import json
+import random
+
+import pytest
+
+from dflash2_mlx import block_policy as bp
+from dflash2_mlx.block_policy import (
+    AcceptanceEstimate,
+    AdaptiveBlockPolicy,
+    Calibration,
+    Costs,
+    FixedBlockPolicy,
+    choose_width,
+    expected_rates,
+    expected_tokens,
+)
+from dflash2_mlx.engine import CycleStats
+
+
+def linear_costs(max_width, per_token, draft_s, plain_s=1.0):
+    """Target forward of width w costs plain_s + per_token*(w-1); the drafter a flat draft_s."""
+    return Costs(tuple(plain_s + per_token * (w - 1) for w in range(1, max_width + 1)),
+                 tuple(0.0 if w == 1 else draft_s for w in range(1, max_width + 1)))
+
+
+def test_expected_tokens_by_hand():
+    assert expected_tokens([0.5, 0.5], 1) == 1.0
+    assert expected_tokens([0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([1.0] * 7, 8) == 8.0
+    assert expected_tokens([0.9, 0.0, 1.0], 4) == pytest.approx(1.9)
+    assert expected_tokens([0.5], 3) == pytest.approx(1.75)  # the last rate extends
+
+
+@pytest.mark.parametrize("acceptance, costs, best", [
+    # cheap verify, steady 0.8 acceptance: 1.95, 2.19, 2.32, 2.38, 2.395 (w=7), 2.378 ... tok/s
+    ([0.8] * 15, linear_costs(16, 0.1, 0.05), 7),
+    # acceptance collapses after position 2: width 4 (2.709) beats 3 (2.606) and 5 (2.689)
+    ([0.9, 0.9, 0.2, 0.2, 0.2, 0.2, 0.2], linear_costs(8, 0.02, 0.0), 4),
+    # perfect drafts and a flat cost: the widest block
+    ([1.0] * 7, linear_costs(8, 0.0, 0.01), 8),
+])
+def test_choose_width_picks_the_fastest(acceptance, costs, best):
+    choice = choose_width(expected_rates(costs, acceptance, costs.max_width))
+    assert choice.width == best
+    assert choice.speculate and choice.predicted_speedup > 1
+
+
+@pytest.mark.parametrize("acceptance, costs", [
+    # verify cost linear in width (MLX's bundled CPU BLAS): even 0.9 acceptance loses
+    ([0.9] * 15, linear_costs(16, 1.0, 0.2)),
+    # poor drafts: width 2 yields 1.3 tokens for 1.35x the time
+    ([0.3] * 7, linear_costs(8, 0.25, 0.1)),
+])
+def test_choose_width_never_speculates_when_it_loses(acceptance, costs):
+    rates = expected_rates(costs, acceptance, costs.max_width)
+    assert max(rates[1:]) < rates[0]
+    for current in (None, 1, 2, 5):
+        assert choose_width(rates, current).width == 1
+
+
+def test_hysteresis_keeps_the_current_width_and_leaves_losing_speculation_at_once():
+    rates = [1.0, 1.5, 1.52, 1.3]
+    assert choose_width(rates).width == 3
+    assert choose_width(rates, current=2).width == 2  # 3 is only 1.3% faster
+    assert choose_width([1.0, 1.5, 1.7, 1.3], current=2).width == 3
+    assert choose_width([1.0, 1.03, 0.9], current=1).width == 1  # 3% is inside the margin
+    assert choose_width([1.0, 0.99, 0.9], current=2).width == 1  # losing: leave at once
+    assert choose_width([1.0, 0.95, 1.03], current=2).width == 1  # ...and re-enter only past the margin
+
+
+def test_acceptance_estimate_counts_and_inheritance():
+    est = AcceptanceEstimate(4, prior=0.5, prior_weight=1.0, decay=1.0)
+    est.observe(n_drafted=3, n_accepted=1)  # pos 1 accepted, pos 2 rejected, pos 3 unreached
+    est.observe(n_drafted=3, n_accepted=3)
+    assert est.reached == [2.0, 2.0, 1.0, 0.0]
+    assert est.accepted == [2.0, 1.0, 1.0, 0.0]
+    r = est.rates()
+    assert r[0] == pytest.approx((2 + 0.5) / 3)
+    assert r[1] == pytest.approx((1 + r[0]) / 3)
+    assert r[2] == pytest.approx((1 + r[1]) / 2)
+    assert r[3] == pytest.approx(r[2])  # never reached: inherits its predecessor
+
+
+def simulate(policy, true_acceptance, costs, n_cycles, max_width, seed=0, spec_extra_s=0.0):
+    """Drive a policy with cycles whose acceptance is drawn from `true_acceptance` and whose
+    times are the calibrated costs (plus `spec_extra_s` per speculative cycle)."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for _ in range(n_cycles):
+        w = policy.next_width(max_width)
+        n_acc = 0
+        while n_acc < w - 1 and rng.random() < true_acceptance[n_acc]:
+            n_acc += 1
+        t = costs.cycle_s(w) + (spec_extra_s if w > 1 else 0.0)
+        policy.observe(CycleStats(w, w - 1, n_acc if w > 1 else 0, n_acc + 1, costs.draft_s[w - 1],
+                                  t - costs.draft_s[w - 1]))
+        tokens += n_acc + 1
+        seconds += t
+    return tokens / seconds
+
+
+def test_policy_converges_to_the_best_width_without_flapping():
+    costs = linear_costs(16, 0.1, 0.05)
+    truth = [0.8] * 15
+    policy = AdaptiveBlockPolicy(costs, prior=0.5)
+    simulate(policy, truth, costs, 200, 16, seed=1)
+    late = policy.trace.widths[-100:]
+    true_rates = expected_rates(costs, truth, 16)
+    assert all(true_rates[w - 1] >= 0.97 * max(true_rates) for w in late)
+    assert len({w for w in late}) <= 2
+    assert sum(a != b for a, b in zip(late, late[1:])) <= 2
+    fixed_best = simulate(FixedBlockPolicy(7), truth, costs, 400, 16, seed=2)
+    assert simulate(policy, truth, costs, 400, 16, seed=2) >= 0.93 * fixed_best
+
+
+def test_policy_stays_plain_when_speculation_cannot_win():
+    costs = linear_costs(8, 1.0, 0.2)  # even perfect drafts lose
+    policy = AdaptiveBlockPolicy(costs, prior=0.99)
+    rate = simulate(policy, [1.0] * 7, costs, 300, 8)
+    assert set(policy.trace.widths) == {1} and policy.trace.n_probes == 0
+    assert rate == pytest.approx(1.0)
+
+
+def test_policy_turns_speculation_off_when_drafts_are_poor_and_only_probes():
+    costs = linear_costs(8, 0.15, 0.05)  # wins at good acceptance, loses at 0.15
+    truth = [0.15] * 7
+    assert max(expected_rates(costs, truth, 8)[1:]) < 1.0
+    policy = AdaptiveBlockPolicy(costs, prior=0.8, probe_every=32)
+    rate = simulate(policy, truth, costs, 640, 8, seed=3)
+    late = policy.trace.widths[100:]
+    assert sum(w > 1 for w in late) <= len(late) // 32 + 1  # probes only
+    assert rate >= 0.97  # plain decoding runs at 1.0 tok/s here
+
+
+def test_policy_learns_overheads_it_was_not_calibrated_for():
+    costs = linear_costs(8, 0.05, 0.05)
+    truth = [0.6] * 7
+    assert max(expected_rates(costs, truth, 8)[1:]) > 1.2  # calibration says: speculate
+    policy = AdaptiveBlockPolicy(costs, prior=0.6, probe_every=0)
+    simulate(policy, truth, costs, 300, 8, seed=4, spec_extra_s=1.5)  # but every cycle costs 1.5 s more
+    assert policy.spec_overhead_s > 0.5
+    assert set(policy.trace.widths[-250:]) == {1}
+
+
+def test_calibration_cache_roundtrip_and_info(tmp_path):
+    cal = Calibration(key="abc", costs=linear_costs(4, 0.1, 0.05),
+                      machine={"summary": "test box"}, model={"target": {"path": "/m/t"}, "drafter": {"path": "/m/d"}})
+    path = bp.save_calibration(cal, tmp_path)
+    assert path == tmp_path / "abc.json"
+    back = bp.load_calibration("abc", tmp_path)
+    assert back.costs == cal.costs and back.machine == cal.machine
+    (tmp_path / "broken.json").write_text("{not json")
+    (tmp_path / "old.json").write_text(json.dumps({**cal.to_dict(), "schema": 0}))
+    assert bp.load_calibration("broken", tmp_path) is None and bp.load_calibration("old", tmp_path) is None
+    info = bp.calibration_info(tmp_path)
+    assert len(info) == 1
+    assert info[0]["target"] == "/m/t" and info[0]["machine"] == "test box" and info[0]["max_width"] == 4
+    assert info[0]["speculation_can_win"] is True
+    assert info[0]["cost_ratio_by_width"][0] == 1.0
+    assert bp.calibration_info(tmp_path / "missing") == []
+
+
+def test_costs_reject_bad_values():
+    with pytest.raises(ValueError, match="equal length"):
+        Costs((1.0, 2.0), (0.0,))
+    with pytest.raises(ValueError, match="positive"):
+        Costs((0.0, 1.0), (0.0, 0.0))
+
+
+def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
+    from dflash2_mlx import calibration, generate
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=6)
+    policy = bp.auto_policy(target, drafter, cache_dir=tmp_path)
+    assert policy.costs.max_width == 6 and len(list(tmp_path.glob("*.json"))) == 1
+    assert all(s > 0 for s in policy.costs.target_s) and policy.costs.draft_s[0] == 0.0
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("calibration should come from the cache")
+
+    monkeypatch.setattr(calibration, "calibrate", no_measuring)
+    again = bp.auto_policy(target, drafter, cache_dir=tmp_path)
+    assert again.costs == policy.costs
+    prompt = [1, 40, 41, 42, 7, 19]
+    plain = generate(target, None, prompt, max_tokens=40).tokens
+    result = generate(target, drafter, prompt, max_tokens=40, block_size=6, block_policy=again)
+    assert result.tokens == plain
+    assert [c.width for c in result.cycles] == again.trace.widths[: len(result.cycles)]
+
+
+def test_fixed_policy_is_the_engine_without_a_policy():
+    from dflash2_mlx import generate
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, "dflash", block_size=5)
+    prompt = [1, 9, 8, 7, 6]
+    a = generate(target, drafter, prompt, max_tokens=30, block_size=5)
+    b = generate(target, drafter, prompt, max_tokens=30, block_size=5, block_policy=FixedBlockPolicy(5))
+    assert a.tokens == b.tokens
+    assert [(c.width, c.n_accepted) for c in a.cycles] == [(c.width, c.n_accepted) for c in b.cycles]
