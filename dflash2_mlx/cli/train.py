@@ -4,6 +4,8 @@ Two steps, both resumable:
 
   dflash2 train prepare-data TARGET --out data/smol --n-prompts 2688
   dflash2 train fit TARGET --data data/smol --out my-drafter --arch dflash2 --layers 2 --steps 3000
+
+Measure the result with `dflash2 bench TARGET --drafter my-drafter --modes ar,dflash2`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import ModelArg, print_json, user_errors
+from .common import ModelArg, user_errors
 
 train_app = typer.Typer(help="Train drafters: generate data from the target, then fit.", no_args_is_help=True)
 
@@ -125,23 +127,3 @@ def fit(
         typer.echo(f"resumed from {out / 'checkpoint'} at step {trainer.state.step}", err=True)
     state = trainer.run()
     typer.echo(f"wrote {out} after {state.step} steps", err=True)
-
-
-@train_app.command("eval", help="Held-out τ of a drafter: greedy speculative decoding on benchmark prompts.")
-@user_errors
-def evaluate(
-    model: ModelArg = None,
-    drafter: Annotated[Path, typer.Option("--drafter", help="The drafter to evaluate.")] = Path("drafter"),
-    suites: Annotated[str, typer.Option("--suite", help="Comma-separated suites.")] = "gsm8k,humaneval,mtbench",
-    n: Annotated[int, typer.Option("--n", min=1, help="Prompts per suite.")] = 16,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 128,
-    block_size: Annotated[int, typer.Option("--block-size", min=2)] = 8,
-    json_out: Annotated[bool, typer.Option("--json")] = False,
-) -> None:
-    from ..train.evaluate import evaluate_drafter, render_eval
-
-    report = evaluate_drafter(model, drafter, suites.split(","), n, max_tokens, block_size)
-    if json_out:
-        print_json(report)
-    else:
-        render_eval(report)
