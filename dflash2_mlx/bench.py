@@ -1,0 +1,404 @@
+"""Honest speed: plain decoding (AR) vs DFlash vs DFlash 2 on the same prompts, in one process.
+
+Rules that keep the numbers honest:
+* every mode decodes every prompt with the same sampling settings (and the same seed per
+  prompt at T > 0), in one process, interleaved prompt by prompt, with the mode order rotated
+  from one prompt to the next so no mode always runs first (warm caches, thermal state);
+* one untimed warm-up generation per mode first (shape compilation, calibration for `auto`);
+* rates are pooled (total tokens / total seconds), not averages of per-prompt rates;
+* outputs whose last 64 tokens are a short repeated loop are flagged, and every speedup is
+  reported with and without the prompts that looped in any mode (greedy loops accept
+  everything and inflate speculative speed);
+* at T = 0 every speculative output is compared with the AR output, token for token.
+
+Per run: prompt tok/s (prefill), time to first token, decode tok/s (tokens after the first,
+over the time after the first), τ, the cycle log, peak memory. The arithmetic over cycle logs
+(`pooled_tau`, `pooled_acceptance`) and the loop detector are pure functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+from .engine import CycleStats, stream_generate
+from .errors import ConfigError
+from .prompts import Prompt, SuitePrompts
+from .sampling import SamplingParams
+
+DEFAULT_N = 8
+DEFAULT_MAX_TOKENS = 256
+WARMUP_TOKENS = 16
+LOOP_WINDOW = 64
+LOOP_MAX_PERIOD = 32  # at least two exact copies in the window
+MODE_KINDS = ("ar", "dflash", "dflash2")
+SCHEMA = "dflash2.bench/1"
+
+
+# -- cycle-log arithmetic ---------------------------------------------------------------
+
+
+def speculative(cycles: Iterable) -> list:
+    return [c for c in cycles if c.n_drafted > 0]
+
+
+def pooled_tau(cycles: Iterable) -> float | None:
+    """Mean tokens per speculative cycle, bonus included; None without speculative cycles."""
+    spec = speculative(cycles)
+    return sum(c.n_accepted + 1 for c in spec) / len(spec) if spec else None
+
+
+def pooled_acceptance(cycles: Iterable) -> list[tuple[int, int]]:
+    """(accepted, reached) per block position i = 1..max drafted, pooled over all cycles.
+
+    Position i is reached when at least i drafts were proposed and the i - 1 before it were
+    accepted; its conditional acceptance is accepted / reached (the blog's Figure 5).
+    """
+    spec = speculative(cycles)
+    depth = max((c.n_drafted for c in spec), default=0)
+    out = []
+    for i in range(depth):
+        reached = [c for c in spec if c.n_drafted > i and c.n_accepted >= i]
+        out.append((sum(c.n_accepted > i for c in reached), len(reached)))
+    return out
+
+
+def rates(counts: list[tuple[int, int]]) -> list[float | None]:
+    return [a / r if r else None for a, r in counts]
+
+
+def accepted_histogram(cycles: Iterable) -> list[int]:
+    """Speculative cycles by number of accepted drafts (index = n accepted)."""
+    spec = speculative(cycles)
+    hist = [0] * (max((c.n_drafted for c in spec), default=0) + 1)
+    for c in spec:
+        hist[c.n_accepted] += 1
+    return hist
+
+
+def loop_period(tokens: list[int], window: int = LOOP_WINDOW, max_period: int = LOOP_MAX_PERIOD) -> int | None:
+    """The shortest period p <= max_period with which the last `window` tokens repeat exactly.
+
+    None when the output is shorter than the window or is not such a loop.
+    """
+    if len(tokens) < window:
+        return None
+    tail = tokens[-window:]
+    for p in range(1, max_period + 1):
+        if all(tail[i] == tail[i + p] for i in range(window - p)):
+            return p
+    return None
+
+
+# -- modes and runs ---------------------------------------------------------------------
+
+
+def parse_modes(value: str) -> list[tuple[str, int | str | None]]:
+    """`ar,dflash,dflash2@4,dflash2@auto` -> [(kind, block size or None)]."""
+    out = []
+    for item in (v.strip() for v in value.split(",")):
+        if not item:
+            continue
+        kind, _, block = item.partition("@")
+        if kind not in MODE_KINDS:
+            raise ConfigError(f"unknown mode {item!r}; expected {', '.join(MODE_KINDS)} (optionally @WIDTH or @auto)")
+        if block and kind == "ar":
+            raise ConfigError(f"mode {item!r}: plain decoding has no block size")
+        size: int | str | None = None
+        if block:
+            if block != "auto" and not (block.isdigit() and int(block) >= 2):
+                raise ConfigError(f"mode {item!r}: block size must be an integer >= 2 or 'auto', got {block!r}")
+            size = block if block == "auto" else int(block)
+        out.append((kind, size))
+    if not out:
+        raise ConfigError(f"no modes in {value!r}")
+    return out
+
+
+@dataclass
+class Mode:
+    """One way of decoding: `ar` (no drafter), or a drafter at a block size (None = its own)."""
+
+    name: str
+    kind: str
+    drafter: object | None = None
+    block_size: int | str | None = None
+    drafter_path: str | None = None
+    block_policy: object | None = field(default=None, repr=False)
+
+    def width(self) -> int | None:
+        if self.drafter is None:
+            return None
+        return self.drafter.config.block_size if self.block_size in (None, "auto") else int(self.block_size)
+
+    def policy(self, target, cache_dir=None):
+        """The mode's block policy (None unless the block size is 'auto').
+
+        One policy serves all of the mode's runs, as in a long-lived server session: what it
+        learned about acceptance on earlier prompts carries over to the next.
+        """
+        if self.drafter is None or self.block_size != "auto":
+            return None
+        if self.block_policy is None:
+            from .block_policy import auto_policy
+
+            self.block_policy = auto_policy(target, self.drafter, cache_dir=cache_dir)
+        return self.block_policy
+
+    def describe(self) -> dict:
+        out = {"name": self.name, "kind": self.kind, "drafter": self.drafter_path,
+               "block_size": self.block_size if self.drafter is not None else None, "max_width": self.width()}
+        p = self.block_policy
+        if p is not None:
+            out["policy"] = {"n_switches": p.trace.n_switches, "n_probes": p.trace.n_probes,
+                             "acceptance_estimate": p.acceptance.rates(),
+                             "plain_overhead_s": p.plain_overhead_s, "spec_overhead_s": p.spec_overhead_s,
+                             "calibrated_target_s": list(p.costs.target_s),
+                             "calibrated_draft_s": list(p.costs.draft_s)}
+        return out
+
+
+@dataclass
+class RunRecord:
+    """One prompt decoded by one mode: every raw figure."""
+
+    suite: str
+    prompt_id: str
+    mode: str
+    n_prompt_tokens: int
+    n_tokens: int
+    finish_reason: str | None
+    prompt_tps: float
+    ttft_s: float
+    decode_s: float
+    total_s: float
+    peak_memory_gb: float
+    cycles: list[list] = field(default_factory=list)  # [width, n_drafted, n_accepted, n_emitted, draft_s, verify_s]
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    seed: int | None = None
+    loop_period: int | None = None
+    matches_ar: bool | None = None
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.n_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        return pooled_tau(self.cycle_stats())
+
+    def cycle_stats(self) -> list[CycleStats]:
+        return [CycleStats(*c) for c in self.cycles]
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.update(decode_tps=self.decode_tps, tau=self.tau)
+        return out
+
+
+def default_encoder(target) -> Callable[[Prompt], list[int]]:
+    """Prompt -> ids through the target's chat template, as `dflash2 run` does."""
+    from .session import Session
+
+    session = Session(spec=None, target=target, drafter=None, block_size=None)
+    return lambda prompt: session.encode(prompt.text)
+
+
+def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: SamplingParams,
+             cache_dir=None) -> RunRecord:
+    """Decode `ids` with `mode`, timing from the call to the last token."""
+    policy = mode.policy(target, cache_dir)  # before the clock: may load or measure a calibration
+    tokens, cycles, text, last = [], [], [], None
+    t0 = time.perf_counter()
+    t_first = None
+    for ev in stream_generate(target, mode.drafter, ids, max_tokens=max_tokens, sampling=sampling,
+                              block_size=mode.width(), block_policy=policy):
+        if t_first is None:
+            t_first = time.perf_counter()
+        tokens.extend(ev.tokens)
+        text.append(ev.text)
+        if ev.cycle is not None:
+            c = ev.cycle
+            cycles.append([c.width, c.n_drafted, c.n_accepted, c.n_emitted, c.draft_s, c.verify_s])
+        last = ev
+    t_end = time.perf_counter()
+    return RunRecord(
+        suite="", prompt_id="", mode=mode.name, n_prompt_tokens=len(ids), n_tokens=len(tokens),
+        finish_reason=last.finish_reason, prompt_tps=last.prompt_tps, ttft_s=t_first - t0,
+        decode_s=t_end - t_first, total_s=t_end - t0, peak_memory_gb=last.peak_memory_gb,
+        cycles=cycles, tokens=tokens, text="".join(text), seed=sampling.seed,
+        loop_period=loop_period(tokens),
+    )
+
+
+# -- the benchmark ----------------------------------------------------------------------
+
+
+@dataclass
+class BenchReport:
+    settings: dict
+    suites: list[dict]
+    modes: list[dict]
+    records: list[RunRecord]
+    notes: list[str] = field(default_factory=list)
+    machine: dict = field(default_factory=dict)
+
+    @property
+    def mode_names(self) -> list[str]:
+        return [m["name"] for m in self.modes]
+
+    def looping_prompts(self) -> set[tuple[str, str]]:
+        """Prompts whose output looped in at least one mode."""
+        return {(r.suite, r.prompt_id) for r in self.records if r.loop_period is not None}
+
+    def summary(self, exclude_loops: bool = False) -> dict:
+        loops = self.looping_prompts() if exclude_loops else set()
+        kept = [r for r in self.records if (r.suite, r.prompt_id) not in loops]
+        by_suite = {s["name"]: summarize([r for r in kept if r.suite == s["name"]], self.mode_names)
+                    for s in self.suites}
+        return {"overall": summarize(kept, self.mode_names), "by_suite": by_suite,
+                "excluded_prompts": sorted(f"{s}/{p}" for s, p in loops)}
+
+    def to_json(self) -> dict:
+        return {
+            "schema": SCHEMA, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": self.machine,
+            "settings": self.settings, "suites": self.suites, "modes": self.modes, "notes": self.notes,
+            "summary": self.summary(), "summary_without_loops": self.summary(exclude_loops=True),
+            "loops": [{"suite": r.suite, "prompt_id": r.prompt_id, "mode": r.mode, "period": r.loop_period}
+                      for r in self.records if r.loop_period is not None],
+            "runs": [r.to_dict() for r in self.records],
+        }
+
+
+def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") -> dict:
+    """Pooled figures per mode over `records`; speedups against `baseline` when it ran."""
+    out = {}
+    for mode in modes:
+        runs = [r for r in records if r.mode == mode]
+        if not runs:
+            continue
+        cycles = [c for r in runs for c in r.cycle_stats()]
+        decode_tokens = sum(r.n_tokens - 1 for r in runs)
+        decode_s = sum(r.decode_s for r in runs)
+        prefill_s = sum(r.n_prompt_tokens / r.prompt_tps for r in runs if r.prompt_tps > 0)
+        spec = speculative(cycles)
+        out[mode] = {
+            "n_runs": len(runs),
+            "n_prompt_tokens": sum(r.n_prompt_tokens for r in runs),
+            "n_tokens": sum(r.n_tokens for r in runs),
+            "prompt_tps": sum(r.n_prompt_tokens for r in runs) / prefill_s if prefill_s else None,
+            "ttft_s": sum(r.ttft_s for r in runs) / len(runs),
+            "decode_tps": decode_tokens / decode_s if decode_s > 0 else None,
+            "e2e_tps": sum(r.n_tokens for r in runs) / sum(r.total_s for r in runs),
+            "tau": pooled_tau(cycles),
+            "acceptance_by_position": rates(pooled_acceptance(cycles)),
+            "acceptance_counts": pooled_acceptance(cycles),
+            "accepted_histogram": accepted_histogram(cycles),
+            "mean_width": sum(c.width for c in spec) / len(spec) if spec else 1.0,
+            "plain_steps": sum(1 for c in cycles if c.n_drafted == 0),
+            "peak_memory_gb": max(r.peak_memory_gb for r in runs),
+            "n_loops": sum(r.loop_period is not None for r in runs),
+            "n_mismatch_vs_ar": sum(r.matches_ar is False for r in runs),
+        }
+    base = out.get(baseline)
+    for figures in out.values():
+        ok = base is not None and base["decode_tps"] and figures["decode_tps"]
+        figures["speedup"] = figures["decode_tps"] / base["decode_tps"] if ok else None
+        figures["e2e_speedup"] = figures["e2e_tps"] / base["e2e_tps"] if base is not None else None
+    return out
+
+
+def _mark_matches(records: list[RunRecord]) -> None:
+    ar = {(r.suite, r.prompt_id): r.tokens for r in records if r.mode == "ar"}
+    for r in records:
+        truth = ar.get((r.suite, r.prompt_id))
+        if r.mode != "ar" and truth is not None:
+            r.matches_ar = r.tokens == truth
+
+
+def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens: int = DEFAULT_MAX_TOKENS,
+              sampling: SamplingParams | None = None, encode: Callable[[Prompt], list[int]] | None = None,
+              warmup: bool = True, on_run: Callable[[RunRecord], None] | None = None,
+              cache_dir=None) -> BenchReport:
+    """Decode every prompt of every suite with every mode, interleaved; see the module doc.
+
+    Args:
+        modes: distinct names; a mode named "ar" is the speedup baseline.
+        sampling: default greedy. At T > 0 prompt j gets seed `sampling.seed + j` (seed
+            default 0) in every mode.
+        encode: Prompt -> token ids (default: the target's chat template).
+        on_run: called after each run (progress).
+        cache_dir: where `auto` block policies keep their calibration (default: user cache).
+    """
+    names = [m.name for m in modes]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"mode names must be distinct, got {names}")
+    if max_tokens < 1:
+        raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+    sampling = sampling or SamplingParams()
+    encode = encode or default_encoder(target)
+    prompts = [p for s in suites for p in s.prompts]
+    if not prompts:
+        raise ConfigError("no prompts to benchmark")
+    encoded = [encode(p) for p in prompts]
+    if warmup:
+        for mode in modes:
+            run_once(target, mode, encoded[0], min(WARMUP_TOKENS, max_tokens), sampling, cache_dir)
+    base_seed = sampling.seed if sampling.seed is not None else 0
+    records = []
+    for j, (prompt, ids) in enumerate(zip(prompts, encoded)):
+        params = sampling if sampling.greedy else dataclasses.replace(sampling, seed=base_seed + j)
+        for mode in modes[j % len(modes):] + modes[: j % len(modes)]:
+            record = run_once(target, mode, ids, max_tokens, params, cache_dir)
+            record.suite, record.prompt_id = prompt.suite, prompt.id
+            records.append(record)
+            if on_run is not None:
+                on_run(record)
+    if sampling.greedy:
+        _mark_matches(records)
+    settings = {"max_tokens": max_tokens, "sampling": sampling.to_dict(), "warmup": warmup,
+                "loop_window": LOOP_WINDOW, "loop_max_period": LOOP_MAX_PERIOD,
+                "n_prompts": len(prompts), "interleaved": True}
+    suites_info = [{"name": s.name, "source": s.source, "available": s.available, "n": len(s.prompts)}
+                   for s in suites]
+    return BenchReport(settings=settings, suites=suites_info, modes=[m.describe() for m in modes],
+                       records=records, machine=machine_info())
+
+
+def machine_info() -> dict:
+    from .calibration import machine_fingerprint
+
+    return {**machine_fingerprint(), "platform": platform.platform()}
+
+
+def plot_acceptance(report: BenchReport, path) -> None:
+    """PNG: conditional acceptance by block position, one line per speculative mode (overall)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'dflash2-mlx[plot]'") from None
+    summary = report.summary()["overall"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, figures in summary.items():
+        curve = figures["acceptance_by_position"]
+        if not curve:
+            continue
+        xs = [i + 1 for i, v in enumerate(curve) if v is not None]
+        ax.plot(xs, [v for v in curve if v is not None], marker="o",
+                label=f"{mode} (τ {figures['tau']:.2f})")
+    ax.set_xlabel("block position")
+    ax.set_ylabel("P(accepted | earlier drafts accepted)")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(f"Acceptance by block position ({report.settings['n_prompts']} prompts)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
