@@ -161,6 +161,41 @@ class Mode:
         return out
 
 
+def drafter_kind(drafter) -> str:
+    """The bench mode a drafter serves: "dflash2" for DFlash 2, "dflash" for v1 variants."""
+    return "dflash2" if drafter.config.is_v2 else "dflash"
+
+
+def build_modes(requested: list[tuple[str, int | str | None]], drafters: dict[str, tuple[object, str | None]],
+                block_size: int | str | None = None, required: bool = True) -> tuple[list[Mode], list[str]]:
+    """Modes for `parse_modes` output, given the loaded drafters by kind (drafter, path).
+
+    `block_size` applies to modes without their own `@WIDTH`. A mode whose drafter is missing
+    is an error when `required`, else skipped with a note.
+    """
+    modes, notes = [], []
+    for kind, size in requested:
+        size = size if size is not None else block_size
+        name = kind if size is None or kind == "ar" else f"{kind}@{size}"
+        if kind == "ar":
+            modes.append(Mode(name, kind))
+            continue
+        if kind not in drafters:
+            flag = "--drafter-v1" if kind == "dflash" else "--drafter"
+            if required:
+                raise ConfigError(f"mode {name!r} needs a {kind} drafter; pass {flag}")
+            notes.append(f"mode {name} skipped: no {kind} drafter (pass {flag})")
+            continue
+        drafter, path = drafters[kind]
+        if size not in (None, "auto") and int(size) > drafter.config.block_size:
+            notes.append(f"{name}: wider than the drafter's trained block size {drafter.config.block_size}")
+        modes.append(Mode(name, kind, drafter, size, str(path) if path else None))
+    names = [m.name for m in modes]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"modes repeat: {names}")
+    return modes, notes
+
+
 @dataclass
 class RunRecord:
     """One prompt decoded by one mode: every raw figure."""
@@ -300,6 +335,7 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
             "accepted_histogram": accepted_histogram(cycles),
             "mean_width": sum(c.width for c in spec) / len(spec) if spec else 1.0,
             "plain_steps": sum(1 for c in cycles if c.n_drafted == 0),
+            "n_speculative_cycles": len(spec),
             "peak_memory_gb": max(r.peak_memory_gb for r in runs),
             "n_loops": sum(r.loop_period is not None for r in runs),
             "n_mismatch_vs_ar": sum(r.matches_ar is False for r in runs),
@@ -376,29 +412,37 @@ def machine_info() -> dict:
 
 
 def plot_acceptance(report: BenchReport, path) -> None:
-    """PNG: conditional acceptance by block position, one line per speculative mode (overall)."""
+    """PNG: conditional acceptance by block position, one line per speculative mode; one panel
+    for all suites together and one per suite."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise ConfigError("--plot needs matplotlib: pip install 'dflash2-mlx[plot]'") from None
-    summary = report.summary()["overall"]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, figures in summary.items():
-        curve = figures["acceptance_by_position"]
-        if not curve:
-            continue
-        xs = [i + 1 for i, v in enumerate(curve) if v is not None]
-        ax.plot(xs, [v for v in curve if v is not None], marker="o",
-                label=f"{mode} (τ {figures['tau']:.2f})")
-    ax.set_xlabel("block position")
-    ax.set_ylabel("P(accepted | earlier drafts accepted)")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title(f"Acceptance by block position ({report.settings['n_prompts']} prompts)")
+    summary = report.summary()
+    panels = [("all suites", summary["overall"]), *summary["by_suite"].items()]
+    cols = min(3, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
+    for ax, (title, figures) in zip(axes.flat, panels):
+        for mode, f in figures.items():
+            points = [(i + 1, v) for i, v in enumerate(f["acceptance_by_position"]) if v is not None]
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{mode} (τ {f['tau']:.2f})")
+        ax.set_title(title)
+        ax.set_xlabel("block position")
+        ax.set_ylim(0, 1.02)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("P(accepted | earlier accepted)")
+    fig.suptitle(f"Acceptance by block position ({report.settings['n_prompts']} prompts, "
+                 f"T={report.settings['sampling']['temperature']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)

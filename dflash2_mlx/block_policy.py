@@ -92,6 +92,21 @@ def expected_rates(costs: Costs, acceptance: Sequence[float], max_width: int,
     return rates
 
 
+def break_even_acceptance(costs: Costs, width: int) -> float | None:
+    """The constant per-position acceptance at which `width` matches plain decoding's rate.
+
+    None when even perfect drafts lose at this width (bisection; E[tokens] rises with a).
+    """
+    plain = 1.0 / costs.cycle_s(1)
+    if width / costs.cycle_s(width) <= plain:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens([mid], width) / costs.cycle_s(width) < plain else (lo, mid)
+    return hi
+
+
 @dataclass(frozen=True)
 class BlockChoice:
     """A width (1 = plain decoding) with its predicted rate and the plain rate it must beat."""

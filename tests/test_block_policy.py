@@ -72,6 +72,13 @@ def test_hysteresis_keeps_the_current_width_and_leaves_losing_speculation_at_onc
     assert choose_width([1.0, 0.95, 1.03], current=2).width == 1  # ...and re-enter only past the margin
 
 
+def test_break_even_acceptance():
+    costs = linear_costs(4, 0.5, 0.0)  # width 2 costs 1.5 plain steps: needs 1 + a = 1.5
+    assert bp.break_even_acceptance(costs, 2) == pytest.approx(0.5)
+    assert bp.break_even_acceptance(costs, 3) == pytest.approx(0.6180340, abs=1e-6)  # 1 + a + a^2 = 2
+    assert bp.break_even_acceptance(linear_costs(4, 1.0, 0.1), 3) is None
+
+
 def test_acceptance_estimate_counts_and_inheritance():
     est = AcceptanceEstimate(4, prior=0.5, prior_weight=1.0, decay=1.0)
     est.observe(n_drafted=3, n_accepted=1)  # pos 1 accepted, pos 2 rejected, pos 3 unreached
