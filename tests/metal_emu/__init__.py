@@ -1,0 +1,1 @@
+"""Linux emulation of Metal kernels (g++ + a Metal shim); see emu.py."""
