@@ -85,5 +85,6 @@ for (int t = 0; t < L; ++t) {
     }
     path[bt] = prev;
   }
-  metal::threadgroup_barrier(metal::mem_flags::mem_threadgroup);  // scores read before next step
+  // No barrier needed: thread 0 reaches the next step's first slice barrier only after the
+  // walk, and `scores` is rewritten only after that barrier (R >= 1).
 }
