@@ -335,7 +335,7 @@ def _atomic_dir(out: Path, overwrite: bool):
     """Yields a temp dir next to `out`; on success it becomes `out`."""
     out = Path(out)
     if out.exists() and not overwrite:
-        raise ConfigError(f"output {str(out)!r} already exists; choose a new directory or overwrite it")
+        raise ConfigError(f"output {str(out)!r} already exists; choose a new directory or pass --overwrite")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory

