@@ -1,0 +1,302 @@
+"""`dflash2 bench`: measured speed of plain decoding vs DFlash vs DFlash 2 on offline suites."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, ModelArg, SeedOpt, TempOpt, TopPOpt, print_json, \
+    user_errors
+
+EXAMPLES = """
+Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]dflash[/bold] = the DFlash v1 drafter
+(--drafter-v1, default: the registry's v1 drafter for this target); [bold]dflash2[/bold] = the DFlash 2
+drafter (--drafter, default: the registry's). Append @WIDTH or @auto to a mode to set its block size,
+e.g. dflash2@4; otherwise --block-size (or the drafter's own) applies.
+
+Every mode decodes every prompt in one process, interleaved and in rotating order, after an untimed
+warm-up. Outputs ending in a short exact loop are flagged and speedups are shown with and without them.
+
+Examples:
+
+  dflash2 bench                                               # demo pair, 5 suites x 8 prompts
+
+  dflash2 bench --suite gsm8k,humaneval --n 4 --max-tokens 128 --json bench.json --plot accept.png
+
+  dflash2 bench --modes ar,dflash2@2,dflash2@4,dflash2@8,dflash2@auto   # fixed vs auto block size
+
+  dflash2 bench ./target --drafter ./v2 --drafter-v1 ./v1 --temp 0.7 --seed 1
+
+  dflash2 bench --suite my_prompts.jsonl --json -              # your prompts, JSON on stdout
+
+  dflash2 bench --calibrate                                   # re-measure the costs behind 'auto'
+"""
+
+DEFAULT_MODES = "ar,dflash,dflash2"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench", help="Measure speedup vs plain decoding on GSM8K, MATH-500, HumanEval, MBPP, MT-Bench."
+                + EXAMPLES)(bench)
+
+
+@user_errors
+def bench(
+    model: ModelArg = None,
+    suite: Annotated[str, typer.Option("--suite", "-s", help="Comma-separated suites: gsm8k, math500, humaneval, "
+                                       "mbpp, mtbench, 'all', or .jsonl files of {\"prompt\": ...}.")] = "all",
+    n: Annotated[int, typer.Option("--n", min=1, help="Prompts per suite (evenly spaced over the set).")] = 8,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 256,
+    modes: Annotated[Optional[str], typer.Option("--modes", "-m", help="Comma-separated modes: ar, dflash, "
+                                                 f"dflash2, each optionally @WIDTH or @auto. [default: {DEFAULT_MODES}, "
+                                                 "skipping modes without a drafter]")] = None,
+    drafter: DrafterOpt = None,
+    drafter_v1: Annotated[Optional[str], typer.Option("--drafter-v1", help="DFlash (v1) drafter for the 'dflash' "
+                                                      "mode. Default: the registry's v1 drafter for this target.")] = None,
+    draft_bits: DraftBitsOpt = None,
+    temp: TempOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+    seed: SeedOpt = None,
+    block_size: BlockSizeOpt = None,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Write every raw figure as JSON to this file "
+                                                    "('-' = stdout, tables then go to stderr).")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of acceptance by block position "
+                                                 "(needs matplotlib: pip install 'dflash2-mlx[plot]').")] = None,
+    bundled: Annotated[bool, typer.Option("--bundled", help="Use the bundled prompt samples even when the full "
+                                          "sets are installed.")] = False,
+    warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed generation per mode first.")] = True,
+    calibrate: Annotated[bool, typer.Option("--calibrate", help="Re-measure this machine's target/drafter costs "
+                                            "for --block-size auto, print them, and exit.")] = False,
+) -> None:
+    from .. import bench as lib
+    from ..prompts import load_suites, parse_suites
+    from ..sampling import SamplingParams
+    from ..session import parse_block_size
+
+    size = parse_block_size(block_size)
+    requested = lib.parse_modes(modes or DEFAULT_MODES)
+    suites = load_suites(parse_suites(suite), n, bundled_only=bundled)
+    sampling = SamplingParams(temperature=temp, top_p=top_p, seed=seed)
+    if plot is not None:
+        _require_matplotlib()
+    out = _console(sys.stderr if json_out == "-" else sys.stdout)
+    err = _console(sys.stderr)
+    target, drafters, notes, spec = _open_pair(model, drafter, drafter_v1, draft_bits, progress=json_out != "-")
+    if calibrate:
+        return _calibrate(target, drafters, out, size)
+    mode_list, mode_notes = lib.build_modes(requested, drafters, size, required=modes is not None)
+    notes += mode_notes
+    for note in notes:
+        err.print(f"[yellow]note:[/yellow] {note}")
+    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err)
+    report.notes = notes
+    report.settings.update(model=spec.name, target=str(spec.target), suites=[s.name for s in suites], n=n)
+    render_report(report, out)
+    if json_out == "-":
+        print_json(report.to_json())
+    elif json_out:
+        Path(json_out).write_text(_dumps(report.to_json()))
+        err.print(f"wrote {json_out}")
+    if plot is not None:
+        lib.plot_acceptance(report, plot)
+        err.print(f"wrote {plot}")
+
+
+def _console(file):
+    from rich.console import Console
+
+    return Console(file=file, width=None if file.isatty() else 160)
+
+
+def _dumps(obj) -> str:
+    import json
+
+    return json.dumps(obj, indent=1, default=str) + "\n"
+
+
+def _require_matplotlib() -> None:
+    import importlib.util
+
+    from ..errors import ConfigError
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError("--plot needs matplotlib: pip install 'dflash2-mlx[plot]'")
+
+
+# -- model pair -------------------------------------------------------------------------
+
+
+def _open_pair(model, drafter, drafter_v1, draft_bits, progress: bool):
+    """Target plus drafters by kind: {"dflash2": (drafter, path), "dflash": (drafter, path)}."""
+    from .. import hub
+    from ..bench import drafter_kind
+    from ..drafter.load import load_drafter
+    from ..errors import ConfigError
+    from ..session import Session
+
+    session = Session.open(model, drafter=drafter, draft_bits=draft_bits, progress=progress)
+    spec, notes = session.spec, list(session.notes)
+    drafters = {}
+    if session.drafter is not None:
+        drafters[drafter_kind(session.drafter)] = (session.drafter, spec.drafter)
+    v1_path = None
+    if drafter_v1 is not None:
+        v1_path = hub.resolve(model, drafter_v1, progress=progress).drafter
+    elif "dflash" not in drafters and drafter is None:
+        v1_path, v1_notes = _registry_v1_drafter(spec, progress)
+        notes += v1_notes
+    if v1_path is not None:
+        v1 = load_drafter(v1_path, session.target, draft_bits=draft_bits)
+        if drafter_kind(v1) != "dflash":
+            raise ConfigError(f"--drafter-v1 {v1_path} is a {v1.config.arch} drafter, not DFlash v1")
+        drafters["dflash"] = (v1, v1_path)
+    return session.target, drafters, notes, spec
+
+
+def _registry_v1_drafter(spec, progress: bool):
+    """The v1 drafter of another registry alias with the same target (e.g. smollm2-demo-v1)."""
+    import json
+
+    from .. import hub
+    from ..registry import load_registry
+
+    registry = load_registry()
+    entry = registry.models.get(spec.name)
+    if entry is None:
+        return None, []
+    for alias, other in registry.models.items():
+        if alias == spec.name or other.get("target") != entry.get("target"):
+            continue
+        other_spec = hub.resolve(alias, progress=progress)
+        if other_spec.drafter is None:
+            continue
+        arch = json.loads((Path(other_spec.drafter) / "config.json").read_text()).get("architectures", [""])[0]
+        if arch in ("DFlashDraftModel", "MuseGlimmerAssistantModel"):
+            return other_spec.drafter, [f"dflash mode: {alias}: {n}" for n in other_spec.notes]
+    return None, []
+
+
+# -- running ----------------------------------------------------------------------------
+
+
+def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
+        TimeRemainingColumn
+
+    total = sum(len(s.prompts) for s in suites) * len(modes)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn()]
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("warming up" if warmup else "benchmarking", total=total)
+
+        def on_run(record):
+            progress.update(task, advance=1, description=f"{record.suite}/{record.prompt_id} {record.mode}: "
+                                                           f"{record.decode_tps:.1f} tok/s")
+
+        return lib.run_bench(target, modes, suites, max_tokens=max_tokens, sampling=sampling, warmup=warmup,
+                             on_run=on_run)
+
+
+def _calibrate(target, drafters, console, size) -> None:
+    from rich.table import Table
+
+    from ..block_policy import break_even_acceptance, get_calibration
+
+    if not drafters:
+        from ..errors import ConfigError
+
+        raise ConfigError("--calibrate needs a drafter (the model has none; pass --drafter)")
+    for kind, (drafter, path) in sorted(drafters.items()):
+        width = size if isinstance(size, int) else drafter.config.block_size
+        cal = get_calibration(target, drafter, width, refresh=True,
+                              progress=lambda done, total: console.print(f"  round {done}/{total}", end="\r"))
+        table = Table(title=f"{kind} drafter {path}: costs on {cal.machine.get('summary')}")
+        for col in ("width", "target ms", "drafter ms", "cycle / plain", "break-even acceptance"):
+            table.add_column(col, justify="right")
+        for w in range(1, cal.costs.max_width + 1):
+            be = break_even_acceptance(cal.costs, w) if w > 1 else None
+            table.add_row(str(w), f"{1e3 * cal.costs.target_s[w - 1]:.2f}", f"{1e3 * cal.costs.draft_s[w - 1]:.2f}",
+                          f"{cal.costs.cycle_s(w) / cal.costs.cycle_s(1):.2f}",
+                          "—" if w == 1 else ("never" if be is None else f"{be:.2f}"))
+        console.print(table)
+
+
+# -- tables -----------------------------------------------------------------------------
+
+
+def _f(value, fmt: str, none: str = "—") -> str:
+    return none if value is None else format(value, fmt)
+
+
+def speed_table(title: str, figures: dict, clean: dict, adaptive: set[str] = frozenset()):
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for col in ("mode", "runs", "prefill tok/s", "TTFT ms", "decode tok/s", "speedup", "w/o loops", "τ",
+                "width", "peak GB", "loops", "≠ AR"):
+        table.add_column(col, justify="left" if col == "mode" else "right")
+    for mode, f in figures.items():
+        c = clean.get(mode, {})
+        table.add_row(mode, str(f["n_runs"]), _f(f["prompt_tps"], ".0f"), _f(1e3 * f["ttft_s"], ".0f"),
+                      _f(f["decode_tps"], ".1f"), _times(f["speedup"]), _times(c.get("speedup")),
+                      _f(f["tau"], ".2f"), _width(f, mode in adaptive), _f(f["peak_memory_gb"], ".2f"), str(f["n_loops"]),
+                      str(f["n_mismatch_vs_ar"]))
+    return table
+
+
+def _times(value) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def _width(f: dict, adaptive: bool) -> str:
+    """Mean speculative width; for 'auto' also the share of cycles the policy decoded plainly."""
+    if f["tau"] is None:
+        return "all plain" if adaptive and f["plain_steps"] else "—"
+    plain = f["plain_steps"] / max(f["plain_steps"] + f["n_speculative_cycles"], 1)
+    return f"{f['mean_width']:.1f}" + (f" ({plain:.0%} plain)" if adaptive else "")
+
+
+def acceptance_table(summary: dict):
+    """Conditional acceptance by block position, per suite and mode (the blog's Figure 5)."""
+    from rich.table import Table
+
+    rows = [(scope, mode, f) for scope, figs in [("all", summary["overall"]), *summary["by_suite"].items()]
+            for mode, f in figs.items() if f["tau"] is not None]
+    depth = max((len(f["acceptance_by_position"]) for _, _, f in rows), default=0)
+    table = Table(title="P(draft accepted | earlier drafts accepted) by block position", title_justify="left")
+    table.add_column("suite")
+    table.add_column("mode")
+    table.add_column("τ", justify="right")
+    for i in range(depth):
+        table.add_column(str(i + 1), justify="right")
+    for scope, mode, f in rows:
+        cells = [_f(v, ".2f") for v in f["acceptance_by_position"]]
+        table.add_row(scope, mode, _f(f["tau"], ".2f"), *(cells + [""] * (depth - len(cells))))
+    return table
+
+
+def render_report(report, console) -> None:
+    summary, clean = report.summary(), report.summary(exclude_loops=True)
+    adaptive = {m["name"] for m in report.modes if m.get("block_size") == "auto"}
+    for s in report.suites:
+        name = s["name"]
+        console.print(speed_table(f"{name}: {s['n']} prompts", summary["by_suite"][name],
+                                  clean["by_suite"].get(name, {}), adaptive))
+    console.print(speed_table(f"all suites ({report.settings['n_prompts']} prompts, "
+                              f"{report.settings['max_tokens']} max tokens)", summary["overall"], clean["overall"],
+                              adaptive))
+    if any(f["tau"] is not None for f in summary["overall"].values()):
+        console.print(acceptance_table(summary))
+    for s in report.suites:
+        console.print(f"prompts {s['name']}: {s['source']}")
+    loops = report.looping_prompts()
+    if loops:
+        console.print(f"looping outputs (last {report.settings['loop_window']} tokens repeat): "
+                      + ", ".join(f"{s}/{p}" for s, p in sorted(loops)) + " — excluded from 'excl. loops'")
+    mismatches = sum(r.matches_ar is False for r in report.records)
+    if mismatches:
+        console.print(f"[yellow]{mismatches} greedy outputs differ from plain decoding (float round-off between "
+                      "batched and single-token forwards can flip a near-tie)[/yellow]")

@@ -1,0 +1,96 @@
+"""`dflash2 bench` and `dflash2 diagnose` end to end on a tiny pair saved to disk."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash2_mlx.cli import app
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from tiny import save_tiny_pair
+
+    root = tmp_path_factory.mktemp("pair")
+    target, v2 = save_tiny_pair(root, arch="dflash2", block_size=4)
+    _, v1 = save_tiny_pair(root, arch="dflash", block_size=4)
+    return target, v2, v1
+
+
+@pytest.fixture()
+def runner(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path / "cache" / "dflash2"))
+    return CliRunner()
+
+
+def test_bench_json_has_every_field(pair, runner, tmp_path):
+    target, v2, v1 = pair
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", str(target), "--drafter", str(v2), "--drafter-v1", str(v1),
+                              "--suite", "gsm8k,humaneval", "--n", "1", "--max-tokens", "12", "--bundled",
+                              "--modes", "ar,dflash,dflash2,dflash2@auto", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert [m["name"] for m in data["modes"]] == ["ar", "dflash", "dflash2", "dflash2@auto"]
+    assert data["modes"][1]["drafter"] == str(v1) and data["modes"][2]["drafter"] == str(v2)
+    assert data["settings"]["target"] == str(target) and data["settings"]["n_prompts"] == 2
+    assert [s["name"] for s in data["suites"]] == ["gsm8k", "humaneval"]
+    assert all("bundled" in s["source"] for s in data["suites"])
+    assert len(data["runs"]) == 8
+    for run in data["runs"]:
+        for key in ("prompt_tps", "ttft_s", "decode_tps", "tau", "cycles", "peak_memory_gb", "loop_period",
+                    "matches_ar", "tokens", "text"):
+            assert key in run
+    overall = data["summary"]["overall"]
+    for figures in overall.values():
+        for key in ("prompt_tps", "decode_tps", "ttft_s", "tau", "acceptance_by_position", "speedup",
+                    "peak_memory_gb", "n_loops"):
+            assert key in figures
+    assert overall["dflash"]["speedup"] > 0 and len(overall["dflash2"]["acceptance_by_position"]) == 3
+    assert "summary_without_loops" in data and "loops" in data
+    assert "decode tok/s" in res.output and "P(draft accepted" in res.output  # the tables
+
+
+def test_bench_json_to_stdout_and_plain_modes(pair, runner):
+    target, v2, _ = pair
+    res = runner.invoke(app, ["bench", str(target), "--drafter", str(v2), "--suite", "mtbench", "--n", "1",
+                              "--max-tokens", "6", "--bundled", "--no-warmup", "--json", "-"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout[res.stdout.index("{"):])
+    # default modes: ar and the drafter it has (no v1 drafter for a local target: skipped with a note)
+    assert [m["name"] for m in data["modes"]] == ["ar", "dflash2"]
+    assert any("dflash skipped" in n for n in data["notes"])
+
+
+def test_bench_errors_are_one_line(pair, runner):
+    target, v2, _ = pair
+    res = runner.invoke(app, ["bench", str(target), "--drafter", str(v2), "--modes", "ar,dflash", "--n", "1"])
+    assert res.exit_code == 2 and "needs a dflash drafter; pass --drafter-v1" in res.output
+    res = runner.invoke(app, ["bench", str(target), "--suite", "gsm9k"])
+    assert res.exit_code == 2 and "unknown suite 'gsm9k'" in res.output
+    res = runner.invoke(app, ["bench", str(target), "--modes", "ar,eagle"])
+    assert res.exit_code == 2 and "unknown mode 'eagle'" in res.output
+
+
+def test_bench_calibrate_prints_costs(pair, runner):
+    target, v2, _ = pair
+    res = runner.invoke(app, ["bench", str(target), "--drafter", str(v2), "--calibrate"])
+    assert res.exit_code == 0, res.output
+    assert "break-even acceptance" in res.output
+
+
+def test_diagnose_json(pair, runner, tmp_path):
+    target, v2, _ = pair
+    out = tmp_path / "diag.json"
+    res = runner.invoke(app, ["diagnose", str(target), "--drafter", str(v2), "--suite", "gsm8k", "--n", "1",
+                              "--max-tokens", "16", "--bundled", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    overall = data["overall"]
+    assert overall["n_anchors"] == 16 - 3 and overall["block_positions"] == 3
+    assert set(overall["tau"]) == {"actual", "top1", "selector", "oracle"}
+    assert "Recall@1" in res.output and "oracle" in res.output
+    res = runner.invoke(app, ["diagnose", str(target), "--drafter", "none"])
+    assert res.exit_code == 2 and "no drafter" in res.output
