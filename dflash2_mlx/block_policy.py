@@ -67,6 +67,22 @@ class Costs:
         return self.target_s[width - 1] + self.draft_s[width - 1]
 
 
+def nondecreasing(values: Sequence[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators).
+
+    A forward over more tokens does not cost less; measured dips are timing noise, so the
+    calibration smooths them away instead of letting the policy chase them.
+    """
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, n = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += n
+    return [s / n for s, n in blocks for _ in range(n)]
+
+
 def expected_tokens(acceptance: Sequence[float], width: int) -> float:
     """Mean tokens emitted by a cycle of `width` (bonus included) under conditional acceptance."""
     total, survive = 1.0, 1.0
@@ -309,8 +325,10 @@ class Calibration:
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflash2" / "calibration"
+    """`<dflash2 cache>/calibration` ($DFLASH2_HOME, default ~/.cache/dflash2)."""
+    from . import paths
+
+    return paths.home() / "calibration"
 
 
 def load_calibration(key: str, cache_dir: Path | None = None) -> Calibration | None:

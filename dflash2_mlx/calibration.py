@@ -4,8 +4,8 @@
 1..max_width, one target forward of w tokens (taps, logits of every position, argmax) and one
 drafter call proposing w - 1 tokens, exactly the two halves of an engine cycle. Widths are
 interleaved within each round so drift (thermal, other processes) spreads evenly; the first
-round warms up shapes and is discarded; each cost is the median of the remaining rounds.
-Both caches are rolled back to one new token per measurement, so the context stays put.
+round warms up shapes and is discarded; each cost is the median of the remaining rounds,
+then smoothed to be non-decreasing in width (a dip is noise). Both caches are rolled back to one new token per measurement, so the context stays put.
 
 The cache key covers the machine (CPU/GPU, OS, MLX version, BLAS) and the pair (paths, file
 sizes and times, shapes, dtypes, quantization), so a change to any of them measures again.
@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .block_policy import Calibration, Costs
+from .block_policy import Calibration, Costs, nondecreasing
 
 DEFAULT_CONTEXT = 256
 DEFAULT_REPEATS = 3
@@ -146,7 +146,9 @@ def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONT
                 draft_s[w - 1].append(t_draft)
         if progress is not None:
             progress(rnd + 1, repeats + 1)
-    return Costs(tuple(statistics.median(s) for s in target_s), tuple(statistics.median(s) for s in draft_s))
+    target = nondecreasing([statistics.median(s) for s in target_s])
+    draft = [0.0] + nondecreasing([statistics.median(s) for s in draft_s[1:]])
+    return Costs(tuple(target), tuple(draft))
 
 
 def calibrate(target, drafter, max_width: int, key: str, machine: dict, model: dict,

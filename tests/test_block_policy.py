@@ -72,6 +72,13 @@ def test_hysteresis_keeps_the_current_width_and_leaves_losing_speculation_at_onc
     assert choose_width([1.0, 0.95, 1.03], current=2).width == 1  # ...and re-enter only past the margin
 
 
+def test_nondecreasing_fit():
+    assert bp.nondecreasing([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert bp.nondecreasing([1.0, 3.0, 2.0, 4.0]) == pytest.approx([1.0, 2.5, 2.5, 4.0])
+    assert bp.nondecreasing([3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert bp.nondecreasing([]) == []
+
+
 def test_break_even_acceptance():
     costs = linear_costs(4, 0.5, 0.0)  # width 2 costs 1.5 plain steps: needs 1 + a = 1.5
     assert bp.break_even_acceptance(costs, 2) == pytest.approx(0.5)
