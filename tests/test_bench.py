@@ -186,3 +186,19 @@ def test_run_bench_rejects_bad_settings():
         run_bench(target, [Mode("ar", "ar"), Mode("ar", "ar")], suites, encode=lambda p: [1, 2])
     with pytest.raises(ConfigError, match="max_tokens"):
         run_bench(target, [Mode("ar", "ar")], suites, max_tokens=0, encode=lambda p: [1, 2])
+
+
+def test_sampled_runs_share_a_seed_per_prompt_across_modes():
+    from tiny import tiny_drafter, tiny_target
+
+    from dflash2_mlx.sampling import SamplingParams
+
+    target = tiny_target("llama")
+    modes = [Mode("ar", "ar"), Mode("dflash2", "dflash2", tiny_drafter(target, "dflash2", block_size=4))]
+    suites = [SuitePrompts("s", [Prompt("s", str(i), f"x{i}") for i in range(3)], "test", 3)]
+    report = run_bench(target, modes, suites, max_tokens=8, sampling=SamplingParams(temperature=0.8, seed=5),
+                       encode=lambda p: target.tokenizer.encode(p.text), warmup=False)
+    seeds = {(r.prompt_id, r.mode): r.seed for r in report.records}
+    assert [seeds[(p, "ar")] for p in "012"] == [5, 6, 7]
+    assert all(seeds[(p, "ar")] == seeds[(p, "dflash2")] for p in "012")
+    assert all(r.matches_ar is None for r in report.records)  # outputs may differ at T > 0

@@ -12,27 +12,27 @@ from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, ModelArg, SeedOpt, T
     user_errors
 
 EXAMPLES = """
-Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]dflash[/bold] = the DFlash v1 drafter
-(--drafter-v1, default: the registry's v1 drafter for this target); [bold]dflash2[/bold] = the DFlash 2
-drafter (--drafter, default: the registry's). Append @WIDTH or @auto to a mode to set its block size,
+Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]dflash[/bold] = the DFlash v1 drafter \
+(--drafter-v1, default: the registry's v1 drafter for this target); [bold]dflash2[/bold] = the DFlash 2 \
+drafter (--drafter, default: the registry's). Append @WIDTH or @auto to a mode to set its block size, \
 e.g. dflash2@4; otherwise --block-size (or the drafter's own) applies.
 
-Every mode decodes every prompt in one process, interleaved and in rotating order, after an untimed
-warm-up. Outputs ending in a short exact loop are flagged and speedups are shown with and without them.
+Every mode decodes every prompt in one process, interleaved and in rotating order, after an untimed \
+warm-up. Outputs ending in a short exact loop are flagged; speedups are shown with and without them.
 
 Examples:
 
-  dflash2 bench                                               # demo pair, 5 suites x 8 prompts
+  dflash2 bench                           # demo pair: 5 suites x 8 prompts
 
-  dflash2 bench --suite gsm8k,humaneval --n 4 --max-tokens 128 --json bench.json --plot accept.png
+  dflash2 bench --suite gsm8k,humaneval --n 4 --max-tokens 128 --json b.json --plot b.png
 
-  dflash2 bench --modes ar,dflash2@2,dflash2@4,dflash2@8,dflash2@auto   # fixed vs auto block size
+  dflash2 bench --modes ar,dflash2@2,dflash2@4,dflash2@8,dflash2@auto   # fixed vs auto
 
   dflash2 bench ./target --drafter ./v2 --drafter-v1 ./v1 --temp 0.7 --seed 1
 
-  dflash2 bench --suite my_prompts.jsonl --json -              # your prompts, JSON on stdout
+  dflash2 bench --suite my_prompts.jsonl --json -      # your prompts; JSON on stdout
 
-  dflash2 bench --calibrate                                   # re-measure the costs behind 'auto'
+  dflash2 bench --calibrate               # re-measure the costs behind 'auto'
 """
 
 DEFAULT_MODES = "ar,dflash,dflash2"

@@ -11,16 +11,16 @@ import typer
 from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, ModelArg, print_json, user_errors
 
 EXAMPLES = """
-With the target's own greedy continuation of each prompt as ground truth, every generated position
-is an anchor: the drafter sees the target states before it and drafts a block. Per block position:
-Recall@1 (its top-1 is right), Recall@16 (the truth is among its 16 candidates), the selector's pick
-accuracy (given the true previous token), and the acceptance length τ of each way to walk the
-candidates: actual (real speculative decoding), top-1 (DFlash v1), selector (DFlash 2), oracle
+With the target's own greedy continuation of each prompt as ground truth, every generated position \
+is an anchor: the drafter sees the target states before it and drafts a block. Per block position: \
+Recall@1 (its top-1 is right), Recall@16 (the truth is among its 16 candidates), the selector's pick \
+accuracy (given the true previous token), and the acceptance length τ of each way to walk the \
+candidates: actual (real speculative decoding), top-1 (DFlash v1), selector (DFlash 2), oracle \
 (the truth whenever it is among the 16: the best any selector could do).
 
 Examples:
 
-  dflash2 diagnose                                         # demo pair, GSM8K, 4 prompts
+  dflash2 diagnose                        # demo pair, GSM8K, 4 prompts
 
   dflash2 diagnose --suite gsm8k,humaneval --n 8 --max-tokens 256 --json diag.json
 
