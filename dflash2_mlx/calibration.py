@@ -5,7 +5,8 @@
 drafter call proposing w - 1 tokens, exactly the two halves of an engine cycle. Widths are
 interleaved within each round so drift (thermal, other processes) spreads evenly; the first
 round warms up shapes and is discarded; each cost is the median of the remaining rounds,
-then smoothed to be non-decreasing in width (a dip is noise). Both caches are rolled back to one new token per measurement, so the context stays put.
+then smoothed to be non-decreasing in width (a dip is noise). Both caches are rolled back
+to one new token per measurement, so the context stays put.
 
 The cache key covers the machine (CPU/GPU, OS, MLX version, BLAS) and the pair (paths, file
 sizes and times, shapes, dtypes, quantization), so a change to any of them measures again.

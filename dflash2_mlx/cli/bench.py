@@ -175,7 +175,8 @@ def _registry_v1_drafter(spec, progress: bool):
             continue
         arch = json.loads((Path(other_spec.drafter) / "config.json").read_text()).get("architectures", [""])[0]
         if arch in ("DFlashDraftModel", "MuseGlimmerAssistantModel"):
-            return other_spec.drafter, [f"dflash mode: {alias}: {n}" for n in other_spec.notes]
+            notes = [n for n in other_spec.notes if n not in spec.notes or "drafter" in n]
+            return other_spec.drafter, [f"dflash mode uses {alias}'s drafter: {n}" for n in notes]
     return None, []
 
 

@@ -51,7 +51,6 @@ def diagnose(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the figures as JSON to this file "
                                                     "('-' = stdout, tables then go to stderr).")] = None,
 ) -> None:
-    from ..diagnose import run_diagnose
     from ..errors import ConfigError
     from ..prompts import load_suites, parse_suites
     from ..session import Session, parse_block_size
