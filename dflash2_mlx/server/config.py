@@ -1,0 +1,73 @@
+"""Server settings: one frozen dataclass, validated once, shared by the app and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_CONCURRENCY = 64
+DEFAULT_MAX_TOKENS_CAP = 4096
+DEFAULT_MAX_TOKENS = 512
+DEFAULT_MAX_PROMPT_TOKENS = 32768
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How `dflash2 serve` listens, admits and bounds requests.
+
+    Attributes:
+        host, port: where to listen (default 127.0.0.1:8000; port 0 picks a free port).
+        api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+        max_concurrency: most requests admitted at once: one generating, the rest waiting
+            in FIFO order; one more is answered 429 with Retry-After.
+        max_tokens_cap: the largest `max_tokens` a request may ask for.
+        default_max_tokens: used when a request names no limit (capped by max_tokens_cap).
+        max_prompt_tokens: the longest prompt, in tokens; None uses the target's context
+            length (max_position_embeddings) or 32768.
+        max_body_bytes: the largest request body.
+        default_temperature: temperature when a request names none (0 = greedy).
+        shutdown_timeout: seconds in-flight requests get to finish after Ctrl-C / SIGTERM
+            before they are cancelled.
+        log_level: uvicorn's log level.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP
+    default_max_tokens: int = DEFAULT_MAX_TOKENS
+    max_prompt_tokens: int | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    default_temperature: float = 0.0
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"--port must be in [0, 65535], got {self.port}")
+        if self.max_concurrency < 1:
+            raise ConfigError(f"--max-concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_tokens_cap < 1:
+            raise ConfigError(f"--max-tokens-cap must be >= 1, got {self.max_tokens_cap}")
+        if self.default_max_tokens < 1:
+            raise ConfigError(f"default_max_tokens must be >= 1, got {self.default_max_tokens}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ConfigError(f"--max-prompt-tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.max_body_bytes < 1024:
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.default_temperature >= 0:
+            raise ConfigError(f"--temp must be >= 0, got {self.default_temperature}")
+        if self.shutdown_timeout < 0:
+            raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("--api-key must not be empty")
+
+    @property
+    def max_tokens_default(self) -> int:
+        return min(self.default_max_tokens, self.max_tokens_cap)

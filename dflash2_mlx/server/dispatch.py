@@ -1,0 +1,248 @@
+"""From a validated request to a queued job and back, shared by the OpenAI and Ollama routes.
+
+The steps every generation route takes: check the requested model names the loaded pair
+(never a path: the server loads nothing on request), encode the prompt off the event loop,
+bound prompt and output lengths, build `SamplingParams`, submit to the worker, then stream
+or collect the job's events. Whatever ends a request early (client gone, shutdown, error)
+cancels its job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from fastapi import Request
+
+from .._version import __version__
+from ..errors import ConfigError
+from ..sampling import SamplingParams
+from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
+from .errors import APIError
+from .metrics import Metrics
+from .worker import GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
+
+
+@dataclass
+class ServerState:
+    """What every route needs: the session, the limits, the worker and the counters."""
+
+    session: object
+    config: ServerConfig
+    worker: GenerationWorker
+    metrics: Metrics
+    model_name: str
+    aliases: frozenset[str]
+    max_prompt_tokens: int
+    n_params: int = 0
+    quantization: str = "none"
+    created: int = field(default_factory=lambda: int(time.time()))
+    encode_lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def served_name(session) -> str:
+    """The name clients use for the loaded pair: the resolved name, or a directory's basename."""
+    name = str(getattr(session.spec, "name", "") or session.spec.target)
+    return Path(name).name if looks_like_path(name) else name
+
+
+def looks_like_path(name: str) -> bool:
+    return (name.startswith(("/", "./", "../", "~", ".\\")) or "\\" in name or name.endswith(".gguf")
+            or (len(name) > 1 and name[1] == ":") or name in (".", ".."))
+
+
+def context_length(session) -> int:
+    """The target's max_position_embeddings (top level or text_config), else 32768."""
+    args = getattr(session.target, "args", None)
+    n = getattr(args, "max_position_embeddings", None)
+    if n is None:
+        text = getattr(args, "text_config", None)
+        n = text.get("max_position_embeddings") if isinstance(text, dict) else None
+    return int(n) if isinstance(n, int) and n > 0 else DEFAULT_MAX_PROMPT_TOKENS
+
+
+def model_facts(model) -> tuple[int, str]:
+    """(parameter count, quantization level like "Q4") from shapes alone; evaluates nothing."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    bits = sorted({m.bits for _, m in model.named_modules() if hasattr(m, "bits") and hasattr(m, "group_size")})
+    n_params = 0
+    for name, p in tree_flatten(model.parameters()):
+        if bits and name.endswith((".scales", ".biases")):  # quantization metadata, not parameters
+            continue
+        n_params += p.size * 32 // bits[0] if bits and p.dtype == mx.uint32 else p.size
+    return n_params, (f"Q{bits[0]}" if bits else "none")
+
+
+def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
+    name = served_name(session)
+    n_params, quantization = model_facts(session.target.model)
+    drafter = getattr(session.spec, "drafter", None) if session.drafter is not None else None
+    metrics = Metrics({"model": name, "drafter": str(drafter or "none"), "version": __version__})
+    return ServerState(
+        session=session, config=config, worker=GenerationWorker(session, config.max_concurrency, metrics),
+        metrics=metrics, model_name=name, aliases=frozenset({name, *extra_aliases}),
+        max_prompt_tokens=config.max_prompt_tokens or context_length(session),
+        n_params=n_params, quantization=quantization,
+    )
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.dflash
+
+
+# -- checks ----------------------------------------------------------------------------------
+
+
+def check_model(state: ServerState, requested: str | None) -> str:
+    """The served name if `requested` names the loaded pair (or is empty); else a 4xx.
+
+    Names match without case and with an optional Ollama `:latest` tag. The server never
+    loads anything on request, so a path or another alias is refused, not resolved.
+    """
+    if not requested or not requested.strip():
+        return state.model_name
+    name = requested.strip()
+    base = name[: -len(":latest")] if name.lower().endswith(":latest") else name
+    known = {a.lower() for a in state.aliases}
+    if name.lower() in known or base.lower() in known:
+        return state.model_name
+    if looks_like_path(name):
+        raise APIError(400, f"model {name!r} looks like a filesystem path; this server loads nothing on request "
+                            f"and serves only {state.model_name!r}", "invalid_model", "model")
+    hint = f"start `dflash2 serve {base}` to serve it" if _registry_knows(base) else "see GET /v1/models"
+    raise APIError(404, f"model {name!r} is not loaded; this server serves {state.model_name!r} ({hint})",
+                   "model_not_found", "model")
+
+
+def _registry_knows(name: str) -> bool:
+    try:
+        from ..registry import load_registry
+
+        return load_registry().find(name) is not None
+    except Exception:  # noqa: BLE001 - a missing or broken registry only loses the hint
+        return False
+
+
+def check_unsupported(body) -> None:
+    message = body.unsupported()
+    if message:
+        raise APIError(400, message, "unsupported_parameter")
+
+
+def max_tokens(state: ServerState, *requested: int | None, name: str = "max_tokens") -> int:
+    """The first limit given (or the server default), refused above --max-tokens-cap."""
+    value = next((v for v in requested if v is not None), None)
+    if value is None:
+        return state.config.max_tokens_default
+    cap = state.config.max_tokens_cap
+    if value > cap:
+        raise APIError(400, f"{name} {value} exceeds this server's cap of {cap} (--max-tokens-cap)",
+                       "invalid_value", name)
+    return value
+
+
+def stop_list(stop) -> list[str]:
+    if stop is None:
+        return []
+    return [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+
+
+def sampling(state: ServerState, temperature=None, seed=None, **kwargs) -> SamplingParams:
+    """SamplingParams from request fields; None means the default. Bad values → 400."""
+    given = {k: v for k, v in kwargs.items() if v is not None}
+    temp = state.config.default_temperature if temperature is None else temperature
+    try:
+        return SamplingParams(temperature=temp, seed=seed, **given)
+    except ConfigError as e:
+        raise APIError(400, str(e), "invalid_value") from None
+
+
+async def encode(state: ServerState, prompt, raw: bool, system: str | None = None,
+                 think: bool | None = None) -> list[int]:
+    """Token ids via `Session.encode`, off the event loop; template errors → 400."""
+    from jinja2 import TemplateError
+
+    def work():
+        with state.encode_lock:  # fast tokenizers are not safe to share across threads
+            return state.session.encode(prompt, system=system, raw=raw, think=think)
+
+    try:
+        ids = await anyio.to_thread.run_sync(work)
+    except (ValueError, TypeError, KeyError, IndexError, TemplateError) as e:
+        raise APIError(400, f"cannot build the prompt: {e}", "invalid_prompt") from None
+    return [int(t) for t in ids]
+
+
+def check_prompt(state: ServerState, ids: list[int]) -> None:
+    if not ids:
+        raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
+    limit = state.max_prompt_tokens
+    if len(ids) > limit:
+        raise APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {limit} "
+                            "(--max-prompt-tokens)", "context_length_exceeded", "prompt")
+    vocab = state.session.target.info.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocab (size {vocab})", "invalid_value",
+                       "prompt")
+
+
+# -- running ----------------------------------------------------------------------------------
+
+
+def submit(state: ServerState, ids: list[int], params: SamplingParams, n_max: int, stop: list[str],
+           endpoint: str) -> Job:
+    """Queue a job; a full queue → 429 with Retry-After, shutdown → 503."""
+    job = Job(ids, params, n_max, stop, asyncio.get_running_loop(), endpoint)
+    try:
+        state.worker.submit(job)
+    except QueueFull as e:
+        retry = state.metrics.retry_after(e.depth)
+        raise APIError(429, f"{e}; retry in {retry} s", "server_busy", headers={"Retry-After": str(retry)}) from None
+    except ServerClosing as e:
+        raise APIError(503, str(e), "server_shutting_down", headers={"Retry-After": "5"}) from None
+    return job
+
+
+def failure_error(e: JobFailed) -> APIError:
+    return APIError(e.failure.status, e.failure.message, kind=e.failure.kind)
+
+
+async def _cancel_on_disconnect(request: Request, state: ServerState, job: Job) -> None:
+    # The body is already read, so the next message is the client's disconnect.
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            state.worker.cancel(job)
+            return
+
+
+async def collect(request: Request, state: ServerState, job: Job) -> tuple[str, list[int]]:
+    """Run a non-streaming job to its end: (text, token ids). Cancels it if the client leaves."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(request, state, job))
+    text, tokens = [], []
+    try:
+        async for event in job.events():
+            text.append(event.text)
+            tokens.extend(event.tokens)
+    except JobFailed as e:
+        raise failure_error(e) from None
+    finally:
+        watcher.cancel()
+        state.worker.cancel(job)
+    return "".join(text), tokens
+
+
+async def guarded(state: ServerState, job: Job, chunks):
+    """Yield from a response stream; however it ends (disconnect, shutdown), cancel the job."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        state.worker.cancel(job)

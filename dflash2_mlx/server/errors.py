@@ -1,0 +1,101 @@
+"""Every failure becomes one JSON error: OpenAI's shape, or Ollama's on /api/ routes.
+
+OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama: `{"error": "message"}`.
+Schema violations and malformed JSON are 400 (OpenAI's status, not FastAPI's 422), a
+`DFlashError` is 400, unknown routes 404, a full queue 429, shutdown 503, bugs 500 (logged).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import DFlashError
+
+log = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "server_error"}
+
+
+class APIError(Exception):
+    """An error answered to the client as-is (status, message, OpenAI type/code/param)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 kind: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.kind = kind or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers
+
+
+def error_body(path: str, err: APIError) -> dict:
+    if path.startswith("/api/"):
+        return {"error": err.message}
+    return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
+
+
+def error_response(path: str, err: APIError) -> JSONResponse:
+    return JSONResponse(error_body(path, err), status_code=err.status, headers=err.headers)
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def validation_message(errors) -> tuple[str, str | None]:
+    """One line naming each bad field and its value, and the first field's name."""
+    parts, first = [], None
+    for e in errors[:5]:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        field = ".".join(loc)
+        if e.get("type") == "json_invalid":
+            detail = (e.get("ctx") or {}).get("error", "invalid JSON")
+            return f"malformed JSON body: {detail}", None
+        first = first or field or None
+        got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""
+        parts.append(f"{field or 'body'}: {e.get('msg', 'invalid')}{got}")
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more, first
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that give every error the JSON shape of its route's API."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, err: APIError):
+        return error_response(request.url.path, err)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError):
+        message, param = validation_message(err.errors())
+        if any(isinstance(e.get("input"), bytes) and tuple(e.get("loc", ())) == ("body",) for e in err.errors()):
+            # The body was not parsed: JSON is read only with a JSON content type (FastAPI's CSRF guard).
+            kind = request.headers.get("content-type") or "none"
+            message = f"the request body must be JSON sent with 'Content-Type: application/json' (got {kind})"
+        return error_response(request.url.path, APIError(400, message, "invalid_value", param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, err: StarletteHTTPException):
+        if err.status_code == 404:
+            message = f"unknown route {request.method} {request.url.path}"
+        elif err.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(err.detail)
+        return error_response(request.url.path, APIError(err.status_code, message, headers=err.headers))
+
+    @app.exception_handler(DFlashError)
+    async def _dflash(request: Request, err: DFlashError):
+        return error_response(request.url.path, APIError(400, str(err), "invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def _bug(request: Request, err: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request.url.path, APIError(500, f"internal error: {type(err).__name__}"))

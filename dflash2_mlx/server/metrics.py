@@ -1,0 +1,159 @@
+"""Server counters and their Prometheus text exposition (format 0.0.4).
+
+The worker thread reports job starts and ends; an ASGI middleware reports every response's
+status. All updates take one lock, so `/metrics` always reads a consistent snapshot.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import Counter
+
+# Routes counted by name; anything else is counted as "other" so that scanners probing random
+# paths cannot grow the label set without bound.
+KNOWN_ROUTES = frozenset({
+    "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+    "/api/chat", "/api/generate", "/api/tags", "/api/version", "/openapi.json",
+})
+
+
+def _escape(value: str) -> str:
+    return str(value).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _labels(pairs: dict) -> str:
+    return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs.items()) + "}" if pairs else ""
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+class Metrics:
+    """Counters for requests, tokens, speculation (τ) and the queue."""
+
+    def __init__(self, info: dict | None = None):
+        self._lock = threading.Lock()
+        self.info = dict(info or {})
+        self.started = time.time()
+        self.responses: Counter = Counter()
+        self.jobs: Counter = Counter()
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.draft_tokens = 0
+        self.draft_accepted = 0
+        self.cycles = 0
+        self.speculative_cycles = 0
+        self.prompt_seconds = 0.0
+        self.generation_seconds = 0.0
+        self.queue_wait_seconds = 0.0
+        self.job_seconds = 0.0
+        self.max_events_after_cancel = 0
+        self.depth = 0
+        self.running = 0
+        self._job_started: dict[str, float] = {}
+
+    # -- updates --------------------------------------------------------------------
+
+    def response(self, route: str, status: int) -> None:
+        route = route if route in KNOWN_ROUTES else "other"
+        with self._lock:
+            self.responses[(route, str(status))] += 1
+
+    def queue_depth(self, depth: int) -> None:
+        with self._lock:
+            self.depth = depth
+
+    def job_started(self, job) -> None:
+        with self._lock:
+            self.running = 1
+            self._job_started[job.id] = time.perf_counter()
+
+    def job_ended(self, job) -> None:
+        s = job.stats
+        outcome = "cancelled" if s.cancelled else ("completed" if s.finish_reason else "failed")
+        with self._lock:
+            started = self._job_started.pop(job.id, None)
+            if started is not None:
+                self.running = 0
+                self.job_seconds += time.perf_counter() - started
+            self.jobs[outcome] += 1
+            self.prompt_tokens += s.prompt_n
+            self.generated_tokens += s.predicted_n
+            self.draft_tokens += s.draft_n
+            self.draft_accepted += s.draft_n_accepted
+            self.cycles += s.n_cycles
+            self.speculative_cycles += s.n_speculative
+            self.prompt_seconds += s.prompt_ms / 1e3
+            self.generation_seconds += s.predicted_ms / 1e3
+            self.queue_wait_seconds += s.queued_ms / 1e3
+            self.max_events_after_cancel = max(self.max_events_after_cancel, s.events_after_cancel)
+
+    # -- reads ----------------------------------------------------------------------
+
+    def retry_after(self, depth: int) -> int:
+        """Seconds a rejected client should wait: mean job time x jobs ahead, in [1, 60]."""
+        with self._lock:
+            n = sum(self.jobs.values())
+            mean = self.job_seconds / n if n else 1.0
+        return int(min(60, max(1, math.ceil(mean * max(depth, 1)))))
+
+    def tokens_per_cycle(self) -> float:
+        spec = self.speculative_cycles
+        return (self.draft_accepted + spec) / spec if spec else 1.0
+
+    def render(self) -> str:
+        """The Prometheus text exposition of every metric."""
+        with self._lock:
+            rows = self._rows()
+        out = []
+        for name, kind, help_text, samples in rows:
+            out.append(f"# HELP {name} {help_text}")
+            out.append(f"# TYPE {name} {kind}")
+            out.extend(f"{name}{_labels(labels)} {_number(value)}" for labels, value in samples)
+        return "\n".join(out) + "\n"
+
+    def _rows(self) -> list:
+        acceptance = self.draft_accepted / self.draft_tokens if self.draft_tokens else 0.0
+        return [
+            ("dflash2_info", "gauge", "Loaded model pair and version.", [(self.info, 1)]),
+            ("dflash2_uptime_seconds", "gauge", "Seconds since the server started.",
+             [({}, round(time.time() - self.started, 3))]),
+            ("dflash2_requests_total", "counter", "HTTP responses by route and status.",
+             [({"route": r, "status": s}, n) for (r, s), n in sorted(self.responses.items())]),
+            ("dflash2_jobs_total", "counter", "Generation jobs by outcome.",
+             [({"outcome": o}, self.jobs.get(o, 0)) for o in ("completed", "cancelled", "failed")]),
+            ("dflash2_prompt_tokens_total", "counter", "Prompt tokens processed.", [({}, self.prompt_tokens)]),
+            ("dflash2_generated_tokens_total", "counter", "Tokens generated.", [({}, self.generated_tokens)]),
+            ("dflash2_draft_tokens_total", "counter", "Tokens proposed by the drafter.", [({}, self.draft_tokens)]),
+            ("dflash2_draft_tokens_accepted_total", "counter", "Drafted tokens the target accepted.",
+             [({}, self.draft_accepted)]),
+            ("dflash2_cycles_total", "counter", "Decoding cycles (speculative or plain).", [({}, self.cycles)]),
+            ("dflash2_speculative_cycles_total", "counter", "Draft-verify cycles.", [({}, self.speculative_cycles)]),
+            ("dflash2_tokens_per_cycle", "gauge", "Mean tokens per speculative cycle (tau), bonus included.",
+             [({}, round(self.tokens_per_cycle(), 6))]),
+            ("dflash2_draft_acceptance_ratio", "gauge", "Accepted / drafted tokens.", [({}, round(acceptance, 6))]),
+            ("dflash2_prompt_seconds_total", "counter", "Seconds spent in prefill.", [({}, round(self.prompt_seconds, 6))]),
+            ("dflash2_generation_seconds_total", "counter", "Seconds spent decoding.",
+             [({}, round(self.generation_seconds, 6))]),
+            ("dflash2_queue_wait_seconds_total", "counter", "Seconds jobs waited in the queue.",
+             [({}, round(self.queue_wait_seconds, 6))]),
+            ("dflash2_queue_depth", "gauge", "Jobs waiting for the generation worker.", [({}, self.depth)]),
+            ("dflash2_requests_running", "gauge", "Jobs the generation worker is running (0 or 1).",
+             [({}, self.running)]),
+            ("dflash2_cycles_after_cancel_max", "gauge",
+             "Most cycles any cancelled job ran after its cancel (should be <= 1).",
+             [({}, self.max_events_after_cancel)]),
+        ]
+
+
+def parse(text: str) -> dict:
+    """Prometheus text → {'name{labels}': value}; for tests and scripts reading /metrics."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            out[key] = float(value)
+    return out

@@ -1,0 +1,174 @@
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams), /api/tags, /api/version.
+
+Lines carry Ollama's fields (`model`, `created_at`, `response` or `message`, `done`,
+`done_reason`) and its nanosecond durations and counts (`total_duration`, `load_duration`,
+`prompt_eval_count`, `prompt_eval_duration`, `eval_count`, `eval_duration`); the last line
+also has llama.cpp's `timings`. Ollama streams by default (`"stream": false` for one object).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+
+from .._version import __version__
+from . import dispatch
+from .dispatch import ServerState, get_state
+from .errors import APIError
+from .schema import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
+from .worker import Job, JobFailed
+
+router = APIRouter(prefix="/api", tags=["ollama"])
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _done_fields(job: Job, started: float, finish: str | None) -> dict:
+    s = job.stats
+    return {
+        "done": True,
+        "done_reason": finish or s.finish_reason or "stop",
+        "total_duration": int((time.perf_counter() - started) * 1e9),
+        "load_duration": 0,
+        "prompt_eval_count": s.prompt_n,
+        "prompt_eval_duration": int(s.prompt_ms * 1e6),
+        "eval_count": s.predicted_n,
+        "eval_duration": int(s.predicted_ms * 1e6),
+        "timings": s.timings(),
+    }
+
+
+def _limits(state: ServerState, options: OllamaOptions | None):
+    """(max_tokens, SamplingParams, stop) from Ollama's `options`."""
+    o = options or OllamaOptions()
+    if o.num_predict == 0:
+        raise APIError(400, "options.num_predict must be >= 1, or -1 for the server default (got 0)",
+                       "invalid_value", "options.num_predict")
+    n_max = dispatch.max_tokens(state, o.num_predict if o.num_predict and o.num_predict > 0 else None,
+                                name="options.num_predict")
+    extra = {} if o.repeat_last_n is None or o.repeat_last_n < 1 else {"penalty_context": o.repeat_last_n}
+    params = dispatch.sampling(state, temperature=o.temperature, seed=o.seed if o.seed and o.seed >= 0 else None,
+                               top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, repetition_penalty=o.repeat_penalty,
+                               presence_penalty=o.presence_penalty, frequency_penalty=o.frequency_penalty, **extra)
+    return n_max, params, dispatch.stop_list(o.stop)
+
+
+async def _submit(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
+    dispatch.check_prompt(state, ids)
+    n_max, params, stop = _limits(state, body.options)
+    return dispatch.submit(state, ids, params, n_max, stop, endpoint)
+
+
+def _loaded(name: str, extra: dict) -> dict:
+    """Ollama's answer to an empty prompt: the model is loaded, nothing is generated."""
+    return {"model": name, "created_at": _now(), **extra, "done": True, "done_reason": "load"}
+
+
+async def _ndjson(job: Job, piece, done_extra, started: float):
+    finish, tokens = None, []
+    try:
+        async for event in job.events():
+            finish = event.finish_reason or finish
+            tokens.extend(event.tokens)
+            if event.text:
+                yield json.dumps({"created_at": _now(), **piece(event.text), "done": False}) + "\n"
+    except JobFailed as e:
+        yield json.dumps({"error": e.failure.message}) + "\n"
+        return
+    yield json.dumps({"created_at": _now(), **piece(""), **done_extra(tokens), **_done_fields(job, started, finish)}) + "\n"
+
+
+async def _respond(request: Request, state: ServerState, body, job: Job, piece, done_extra, started: float):
+    """An NDJSON stream, or (`"stream": false`) one object with the whole text."""
+    name = body.model or state.model_name
+
+    def named(text: str) -> dict:
+        return {"model": name, **piece(text)}
+
+    if body.stream:
+        lines = _ndjson(job, named, done_extra, started)
+        return StreamingResponse(dispatch.guarded(state, job, lines), media_type="application/x-ndjson")
+    text, tokens = await dispatch.collect(request, state, job)
+    return {"created_at": _now(), **named(text), **done_extra(tokens), **_done_fields(job, started, None)}
+
+
+@router.post("/generate", summary="Generate (Ollama)")
+async def generate(body: OllamaGenerateRequest, request: Request, state: ServerState = Depends(get_state)):
+    started = time.perf_counter()
+    dispatch.check_model(state, body.model)
+    dispatch.check_unsupported(body)
+    if not body.prompt and not body.system:
+        return _loaded(body.model or state.model_name, {"response": ""})
+    ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, think=body.think)
+    job = await _submit(state, body, ids, "generate")
+    return await _respond(request, state, body, job, lambda text: {"response": text},
+                          lambda tokens: {"context": ids + tokens}, started)
+
+
+@router.post("/chat", summary="Chat (Ollama)")
+async def chat(body: OllamaChatRequest, request: Request, state: ServerState = Depends(get_state)):
+    started = time.perf_counter()
+    dispatch.check_model(state, body.model)
+    dispatch.check_unsupported(body)
+    if not body.messages:
+        return _loaded(body.model or state.model_name, {"message": {"role": "assistant", "content": ""}})
+    messages = [{"role": m.role, "content": m.content} for m in body.messages]
+    ids = await dispatch.encode(state, messages, raw=False, think=body.think)
+    job = await _submit(state, body, ids, "chat")
+    return await _respond(request, state, body, job,
+                          lambda text: {"message": {"role": "assistant", "content": text}},
+                          lambda tokens: {}, started)
+
+
+def _model_details(state: ServerState) -> dict:
+    target = state.session.target
+    n_params = state.n_params
+    return {
+        "parent_model": "",
+        "format": "mlx",
+        "family": target.model_type,
+        "families": [target.model_type],
+        "parameter_size": _count(n_params),
+        "quantization_level": state.quantization,
+    }
+
+
+def _count(n: int) -> str:
+    """Ollama's parameter_size spelling: 8.0B, 135M, 340K."""
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M" if n >= 1e6 else f"{n / 1e3:.0f}K"
+
+
+def _dir_size(path) -> int:
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    return sum(f.stat().st_size for f in p.glob("*") if f.is_file()) if p.is_dir() else 0
+
+
+@router.get("/tags", summary="The loaded model (Ollama)")
+async def tags(state: ServerState = Depends(get_state)):
+    target_path = state.session.spec.target
+    modified = datetime.fromtimestamp(Path(target_path).stat().st_mtime, timezone.utc) \
+        if Path(target_path).exists() else datetime.now(timezone.utc)
+    name = state.model_name if ":" in state.model_name else f"{state.model_name}:latest"
+    return {"models": [{
+        "name": name,
+        "model": name,
+        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "size": _dir_size(target_path),
+        "digest": hashlib.sha256(str(target_path).encode()).hexdigest(),
+        "details": _model_details(state),
+    }]}
+
+
+@router.get("/version", summary="Server version (Ollama)")
+async def version():
+    return {"version": __version__}

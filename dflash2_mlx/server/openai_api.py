@@ -1,0 +1,164 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models.
+
+Responses follow OpenAI's objects and add llama.cpp's `timings` (with `tokens_per_cycle`)
+at the top level, where benchmark harnesses look for them. Streams are SSE chunks ending
+with `data: [DONE]`; `stream_options.include_usage` adds a last chunk with `usage`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi import APIRouter, Depends, Request
+from sse_starlette import EventSourceResponse
+
+from .._version import __version__
+from . import dispatch
+from .dispatch import ServerState, get_state
+from .errors import error_body
+from .schema import ChatCompletionRequest, CompletionRequest
+from .worker import Job, JobFailed
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+FINGERPRINT = f"dflash2-{__version__}"
+
+
+def _usage(job: Job) -> dict:
+    s = job.stats
+    return {"prompt_tokens": s.prompt_n, "completion_tokens": s.predicted_n,
+            "total_tokens": s.prompt_n + s.predicted_n}
+
+
+def _head(job: Job, state: ServerState, kind: str, created: int) -> dict:
+    prefix = "chatcmpl" if kind.startswith("chat") else "cmpl"
+    return {"id": f"{prefix}-{job.id}", "object": kind, "created": created, "model": state.model_name,
+            "system_fingerprint": FINGERPRINT}
+
+
+def _messages(body: ChatCompletionRequest) -> list[dict]:
+    """OpenAI messages → the plain role/content dicts chat templates expect."""
+    out = []
+    for m in body.messages:
+        content = m.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+async def _sse(job: Job, chunk, final, include_usage: bool, head: dict):
+    """SSE data lines: content chunks, the finish chunk with timings, usage, [DONE]."""
+    finish = None
+    try:
+        async for event in job.events():
+            finish = event.finish_reason or finish
+            if event.text:
+                yield json.dumps({**head, "choices": [chunk(event.text, None)]})
+    except JobFailed as e:
+        yield json.dumps(error_body("/v1", dispatch.failure_error(e)))
+        yield "[DONE]"
+        return
+    yield json.dumps({**head, "choices": [final(finish)], "timings": job.stats.timings()})
+    if include_usage:
+        yield json.dumps({**head, "choices": [], "usage": _usage(job), "timings": job.stats.timings()})
+    yield "[DONE]"
+
+
+def _stream_response(state: ServerState, job: Job, chunks) -> EventSourceResponse:
+    grace = state.config.shutdown_timeout
+    return EventSourceResponse(dispatch.guarded(state, job, chunks), sep="\n", shutdown_grace_period=grace)
+
+
+async def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
+    dispatch.check_prompt(state, ids)
+    n_max = dispatch.max_tokens(state, getattr(body, "max_completion_tokens", None), body.max_tokens)
+    params = dispatch.sampling(state, temperature=body.temperature, seed=body.seed, top_p=body.top_p,
+                               top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                               presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
+    return dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop), endpoint)
+
+
+@router.post("/chat/completions", summary="Chat completion (OpenAI)")
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+    dispatch.check_model(state, body.model)
+    dispatch.check_unsupported(body)
+    think = (body.chat_template_kwargs or {}).get("enable_thinking")
+    ids = await dispatch.encode(state, _messages(body), raw=False,
+                                think=think if isinstance(think, bool) else None)
+    job = await _prepare(state, body, ids, "chat")
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        head = _head(job, state, "chat.completion.chunk", created)
+        first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+
+        def chunk(text, finish):
+            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+
+        def final(finish):
+            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+
+        async def chunks():
+            yield json.dumps(first)
+            async for line in _sse(job, chunk, final, include_usage, head):
+                yield line
+
+        return _stream_response(state, job, chunks())
+    text, _ = await dispatch.collect(request, state, job)
+    return {
+        **_head(job, state, "chat.completion", created),
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                     "finish_reason": job.stats.finish_reason}],
+        "usage": _usage(job),
+        "timings": job.stats.timings(),
+    }
+
+
+async def _completion_ids(state: ServerState, prompt) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return await dispatch.encode(state, prompt, raw=True)
+    return list(prompt)
+
+
+@router.post("/completions", summary="Text completion (OpenAI)")
+async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+    dispatch.check_model(state, body.model)
+    dispatch.check_unsupported(body)
+    ids = await _completion_ids(state, body.prompt)
+    job = await _prepare(state, body, ids, "completions")
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        head = _head(job, state, "text_completion", created)
+
+        def chunk(text, finish):
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+        return _stream_response(state, job, _sse(job, chunk, lambda f: chunk("", f), include_usage, head))
+    text, _ = await dispatch.collect(request, state, job)
+    return {
+        **_head(job, state, "text_completion", created),
+        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": job.stats.finish_reason}],
+        "usage": _usage(job),
+        "timings": job.stats.timings(),
+    }
+
+
+def _model_card(state: ServerState) -> dict:
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dflash2"}
+
+
+@router.get("/models", summary="The loaded model (OpenAI)")
+async def list_models(state: ServerState = Depends(get_state)):
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@router.get("/models/{model:path}", summary="One model (OpenAI)")
+async def get_model(model: str, state: ServerState = Depends(get_state)):
+    dispatch.check_model(state, model)
+    return _model_card(state)

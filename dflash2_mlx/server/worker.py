@@ -1,0 +1,295 @@
+"""The one generation worker: a thread that owns all MLX work, fed by a bounded FIFO queue.
+
+Requests become `Job`s (token ids + sampling + limits). `GenerationWorker.submit` admits a
+job only while fewer than `capacity` jobs are waiting or running, else raises `QueueFull`
+(the app answers 429 with Retry-After). The thread runs one job at a time in arrival order
+and posts each engine event to the job's asyncio queue on the event loop. A cancelled job
+stops at the next cycle: the worker checks the flag after every event and closes the
+generator, so at most one cycle runs after `cancel`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..errors import DFlashError
+
+log = logging.getLogger(__name__)
+
+
+class QueueFull(Exception):
+    """The bounded queue is full; `depth` jobs are waiting or running."""
+
+    def __init__(self, depth: int, capacity: int):
+        super().__init__(f"server busy: {depth} requests in flight (--max-concurrency {capacity})")
+        self.depth, self.capacity = depth, capacity
+
+
+class ServerClosing(Exception):
+    """The server is shutting down and admits no new work."""
+
+    def __init__(self):
+        super().__init__("server is shutting down")
+
+
+@dataclass
+class JobStats:
+    """What one job measured, in llama.cpp's `timings` vocabulary."""
+
+    prompt_n: int = 0
+    prompt_ms: float = 0.0
+    predicted_n: int = 0
+    predicted_ms: float = 0.0
+    predicted_per_second: float = 0.0
+    draft_n: int = 0
+    draft_n_accepted: int = 0
+    n_cycles: int = 0
+    n_speculative: int = 0
+    n_events: int = 0
+    queued_ms: float = 0.0
+    finish_reason: str | None = None
+    cancelled: bool = False
+    events_after_cancel: int = 0
+
+    def observe(self, event) -> None:
+        """Fold one `GenerationEvent` into the totals."""
+        self.n_events += 1
+        self.prompt_n = event.prompt_tokens
+        self.prompt_ms = 1e3 * event.prompt_tokens / event.prompt_tps if event.prompt_tps > 0 else 0.0
+        self.predicted_n = event.generation_tokens
+        tps = event.generation_tps
+        self.predicted_per_second = tps
+        self.predicted_ms = 1e3 * event.generation_tokens / tps if tps > 0 else 0.0
+        self.finish_reason = event.finish_reason
+        cycle = event.cycle
+        if cycle is not None:
+            self.n_cycles += 1
+            if cycle.n_drafted > 0:
+                self.n_speculative += 1
+                self.draft_n += cycle.n_drafted
+                self.draft_n_accepted += cycle.n_accepted
+
+    @property
+    def tokens_per_cycle(self) -> float:
+        """τ: mean tokens per speculative cycle, bonus included (1.0 without speculation)."""
+        return (self.draft_n_accepted + self.n_speculative) / self.n_speculative if self.n_speculative else 1.0
+
+    def timings(self) -> dict:
+        """llama.cpp server's `timings` object plus `tokens_per_cycle`."""
+        return {
+            "prompt_n": self.prompt_n,
+            "prompt_ms": round(self.prompt_ms, 3),
+            "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
+            "prompt_per_second": round(1e3 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
+            "predicted_n": self.predicted_n,
+            "predicted_ms": round(self.predicted_ms, 3),
+            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_second": round(self.predicted_per_second, 3),
+            "draft_n": self.draft_n,
+            "draft_n_accepted": self.draft_n_accepted,
+            "tokens_per_cycle": round(self.tokens_per_cycle, 4),
+        }
+
+
+@dataclass
+class Finished:
+    stats: JobStats
+
+
+@dataclass
+class Failed:
+    """A job that could not run; `status` is the HTTP status the client should see."""
+
+    status: int
+    message: str
+    kind: str = "invalid_request_error"
+
+
+@dataclass
+class Job:
+    """One request's generation: inputs, a cancel flag and the queue its events arrive on."""
+
+    prompt_ids: list[int]
+    sampling: object
+    max_tokens: int
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    endpoint: str = ""
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
+    items: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)
+    stats: JobStats = field(default_factory=JobStats)
+    submitted_at: float = field(default_factory=time.perf_counter)
+    events_at_cancel: int | None = None
+
+    def post(self, item) -> None:
+        """Hand an event (or Finished/Failed) to the request's coroutine, from any thread."""
+        if isinstance(item, (Finished, Failed)):
+            self.done.set()
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    async def events(self):
+        """Yield `GenerationEvent`s until the job ends; raise `JobFailed` if it fails."""
+        while True:
+            item = await self.items.get()
+            if isinstance(item, Finished):
+                return
+            if isinstance(item, Failed):
+                raise JobFailed(item)
+            yield item
+
+
+class JobFailed(Exception):
+    def __init__(self, failure: Failed):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class GenerationWorker:
+    """One thread, one job at a time, FIFO; `capacity` bounds waiting + running jobs.
+
+    Args:
+        session: an open `Session`; only this thread calls into it.
+        capacity: most jobs admitted at once (running included).
+        metrics: a `Metrics` told about each job's start and end (optional).
+    """
+
+    def __init__(self, session, capacity: int, metrics=None):
+        self.session = session
+        self.capacity = capacity
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: Job | None = None
+        self._accepting = True
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="dflash2-generation", daemon=True)
+
+    # -- admission ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (not counting the one running)."""
+        return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        return self._running is not None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    def submit(self, job: Job) -> None:
+        """Queue `job`; raise `QueueFull` or `ServerClosing` instead of waiting."""
+        with self._cond:
+            if not self._accepting:
+                raise ServerClosing()
+            in_flight = len(self._waiting) + (self._running is not None)
+            if in_flight >= self.capacity:
+                raise QueueFull(in_flight, self.capacity)
+            self._waiting.append(job)
+            self._cond.notify()
+        if self.metrics is not None:
+            self.metrics.queue_depth(self.depth)
+
+    def cancel(self, job: Job) -> None:
+        """Stop `job`: drop it if still waiting, else stop it after the current cycle."""
+        if job.done.is_set() or job.cancelled.is_set():
+            return
+        with self._cond:
+            job.events_at_cancel = job.stats.n_events
+            job.cancelled.set()
+            waiting = job in self._waiting
+            if waiting:
+                self._waiting.remove(job)
+        if waiting:
+            job.stats.cancelled = True
+            if self.metrics is not None:
+                self.metrics.job_ended(job)
+                self.metrics.queue_depth(self.depth)
+            job.post(Failed(499, "cancelled before it started"))
+
+    def stop_accepting(self) -> None:
+        """New submissions get `ServerClosing`; queued and running jobs carry on."""
+        with self._cond:
+            self._accepting = False
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Refuse new jobs, fail the waiting ones (503), cancel the running one, join."""
+        with self._cond:
+            self._accepting = False
+            self._stopped = True
+            waiting, self._waiting = list(self._waiting), collections.deque()
+            running = self._running
+            self._cond.notify_all()
+        for job in waiting:
+            job.post(Failed(503, "server is shutting down", "server_error"))
+        if running is not None:
+            self.cancel(running)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    # -- the thread ---------------------------------------------------------------------
+
+    def _next(self) -> Job | None:
+        with self._cond:
+            while not self._waiting and not self._stopped:
+                self._cond.wait()
+            if self._stopped:
+                return None
+            self._running = self._waiting.popleft()
+            return self._running
+
+    def _loop(self) -> None:
+        while (job := self._next()) is not None:
+            try:
+                self._run(job)
+            finally:
+                with self._cond:
+                    self._running = None
+                if self.metrics is not None:
+                    self.metrics.queue_depth(self.depth)
+
+    def _run(self, job: Job) -> None:
+        stats = job.stats
+        stats.queued_ms = 1e3 * (time.perf_counter() - job.submitted_at)
+        if self.metrics is not None:
+            self.metrics.job_started(job)
+        try:
+            events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
+                                         stop=job.stop)
+            try:
+                for event in events:
+                    stats.observe(event)
+                    job.post(event)
+                    if job.cancelled.is_set():
+                        break
+            finally:
+                events.close()
+        except DFlashError as e:
+            job.post(Failed(400, str(e)))
+        except Exception as e:  # noqa: BLE001 - any bug must reach the client as a 500, not kill the worker
+            log.exception("generation failed for request %s", job.id)
+            job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+        else:
+            if job.cancelled.is_set():
+                stats.cancelled = True
+                stats.events_after_cancel = stats.n_events - (job.events_at_cancel or 0)
+            job.post(Finished(stats))
+        finally:
+            if self.metrics is not None:
+                self.metrics.job_ended(job)
