@@ -45,4 +45,4 @@ def main() -> None:
     from .common import prepare_process
 
     prepare_process()
-    app()
+    app(prog_name="dflash2")
