@@ -238,13 +238,9 @@ def test_generation_identical_on_emulated_kernel_and_ops(emu_kernel, sampling):
 def test_bench_rows_time_both_paths_when_a_kernel_runs(emu_kernel):
     from dflash2_mlx.kernels import bench
 
-    device = mx.default_device()
-    try:
-        plain = bench.run(lengths=[2], vocabs=[500], iters=1, warmup=0, progress=False)
-        with ksel.routed(emu_kernel):
-            routed = bench.run(lengths=[2], vocabs=[500], iters=1, warmup=0, progress=False)
-    finally:
-        mx.set_default_device(device)
+    plain = bench.run(lengths=[2], vocabs=[500], iters=1, warmup=0, progress=False)
+    with ksel.routed(emu_kernel):
+        routed = bench.run(lengths=[2], vocabs=[500], iters=1, warmup=0, progress=False)
     assert [(r["L"], r["V"], r["walk"]) for r in routed["rows"]] == [(2, 500, "greedy"), (2, 500, "sampled")]
     assert all(r["kernel_ms"] > 0 and r["speedup"] > 0 for r in routed["rows"])
     if not mx.metal.is_available():

@@ -122,18 +122,22 @@ def run(lengths=LENGTHS, vocabs=VOCABS, iters: int = 30, dtype_name: str = "bflo
 
     dtype = getattr(mx, dtype_name)
     device = "gpu" if mx.metal.is_available() else "cpu"
+    previous = mx.default_device()
     mx.set_default_device(getattr(mx, device))
-    kernel_ok = ksel.available() and not ksel.disabled_by_env()
-    rows = []
-    with Progress(transient=True, disable=not progress) as bar:
-        task = bar.add_task("selector calls", total=len(vocabs) * len(lengths) * 2)
-        for V in vocabs:
-            books = codebooks(V, dtype)
-            for L in lengths:
-                for temperature in (0.0, 1.0):
-                    rows.append(measure(V, L, temperature, iters, books, kernel_ok, warmup))
-                    bar.advance(task)
-            del books
+    try:
+        kernel_ok = ksel.available() and not ksel.disabled_by_env()
+        rows = []
+        with Progress(transient=True, disable=not progress) as bar:
+            task = bar.add_task("selector calls", total=len(vocabs) * len(lengths) * 2)
+            for V in vocabs:
+                books = codebooks(V, dtype)
+                for L in lengths:
+                    for temperature in (0.0, 1.0):
+                        rows.append(measure(V, L, temperature, iters, books, kernel_ok, warmup))
+                        bar.advance(task)
+                del books
+    finally:
+        mx.set_default_device(previous)
     if kernel_ok:
         note = "ops = MLX-ops twin, kernel = fused Metal kernel (one launch)"
     else:
