@@ -121,7 +121,7 @@ def fetch_repo(repo_id: str, kind: str = "model", progress: bool = True, pattern
             f"forbids downloading it; unset HF_HUB_OFFLINE and run `dflash2 download {repo_id}`, "
             "or pass a local directory")
     try:
-        with _download_progress(progress) as tqdm_class:
+        with _DownloadProgress(progress) as tqdm_class:
             path = Path(snapshot_download(repo_id, allow_patterns=patterns, cache_dir=paths.hf_cache(),
                                           tqdm_class=tqdm_class))
     except GatedRepoError as e:
@@ -141,7 +141,7 @@ def fetch_repo(repo_id: str, kind: str = "model", progress: bool = True, pattern
     return path
 
 
-class _download_progress:
+class _DownloadProgress:
     """Context manager yielding huggingface_hub's `tqdm_class` (rich bars, or silent)."""
 
     def __init__(self, enabled: bool):
@@ -372,7 +372,8 @@ def check_pair(target_dir: Path, drafter_dir: Path) -> None:
     except (KeyError, TypeError, ValueError):
         return  # an unusual config: the load-time check on the real model decides
     drafter_cfg = parse_config(_read_json(Path(drafter_dir) / "config.json"))
-    fc = safetensors_shapes(drafter_dir).get("fc.weight") or safetensors_shapes(drafter_dir).get("encoder.fc.weight")
+    shapes = safetensors_shapes(drafter_dir)
+    fc = shapes.get("fc.weight") or shapes.get("encoder.fc.weight")
     try:
         check_fits(drafter_cfg, facts, fc_width=fc[1] if fc else None)
     except IncompatibleDrafterError as e:
