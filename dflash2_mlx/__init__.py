@@ -8,12 +8,20 @@ Public API:
 """
 
 from ._version import __version__
-from .drafter.load import load_drafter
-from .engine import GenerationEvent, GenerationResult, generate, stream_generate
-from .sampling import SamplingParams
-from .target import Target, load_target
 
-__all__ = [
-    "__version__", "load_target", "load_drafter", "stream_generate", "generate",
-    "SamplingParams", "Target", "GenerationEvent", "GenerationResult",
-]
+# Lazy exports: importing the package (e.g. for `dflash2 --help`) must not load MLX/mlx-lm.
+_EXPORTS = {
+    "load_target": ".target", "Target": ".target", "load_drafter": ".drafter.load",
+    "stream_generate": ".engine", "generate": ".engine", "GenerationEvent": ".engine",
+    "GenerationResult": ".engine", "SamplingParams": ".sampling",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

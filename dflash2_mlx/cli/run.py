@@ -57,10 +57,11 @@ def run(
     think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that have one.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
+    from .. import hub
     from ..session import Session, render_stats_line, result_to_json
 
-    if prompt is not None and model is not None and _looks_like_prompt(model):
-        raise typer.BadParameter(f"{model!r} looks like a prompt; put the MODEL first or omit it")
+    if prompt is None and model is not None and not hub.looks_like_model(model):
+        prompt, model = model, None  # `dflash2 run "a prompt"` uses the default pair
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out)
     sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
@@ -77,10 +78,6 @@ def run(
     result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, on_text=_write, **template)
     sys.stdout.write("\n")
     typer.echo(render_stats_line(session, result), err=True)
-
-
-def _looks_like_prompt(text: str) -> bool:
-    return " " in text.strip() and not text.startswith((".", "/", "~"))
 
 
 def _write(text: str) -> None:
