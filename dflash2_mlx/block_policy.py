@@ -31,7 +31,8 @@ DEFAULT_HYSTERESIS = 0.05  # a new width must be predicted this much faster to r
 DEFAULT_DECAY = 0.97  # per speculative cycle: acceptance evidence fades over ~30 cycles
 DEFAULT_PRIOR_ACCEPTANCE = 0.6
 DEFAULT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
-DEFAULT_PROBE_EVERY = 32  # plain steps between speculative probes while speculation is off
+DEFAULT_PROBE_EVERY = 32  # plain steps before the first speculative probe while speculation is off
+MAX_PROBE_EVERY = 1024  # failed probes double the gap up to this
 DEFAULT_COST_EMA = 0.1
 CALIBRATION_SCHEMA = 1
 
@@ -182,6 +183,11 @@ class AcceptanceEstimate:
         self.accepted = [0.0] * n_positions
         self.reached = [0.0] * n_positions
 
+    def reset(self) -> None:
+        """Forget all evidence (the prior alone remains)."""
+        self.accepted = [0.0] * len(self.accepted)
+        self.reached = [0.0] * len(self.reached)
+
     def observe(self, n_drafted: int, n_accepted: int) -> None:
         for i in range(len(self.accepted)):
             self.accepted[i] *= self.decay
@@ -218,8 +224,10 @@ class AdaptiveBlockPolicy:
         costs: calibrated `Costs` (widths 1..costs.max_width).
         prior, prior_weight, decay: see `AcceptanceEstimate`.
         hysteresis: see `choose_width`.
-        probe_every: while decoding plainly, try one speculative cycle every this many steps
-            so a rising acceptance is noticed; never when even perfect acceptance would lose.
+        probe_every: while decoding plainly, try one speculative cycle after this many steps
+            so a rising acceptance is noticed: a probe that beats plain decoding restarts the
+            acceptance estimate from it; one that does not bring speculation back doubles the
+            gap (up to MAX_PROBE_EVERY). Never probes when even perfect drafts would lose.
         cost_ema: weight of each observed cycle time in the online overhead estimates.
     """
 
@@ -233,6 +241,8 @@ class AdaptiveBlockPolicy:
         self.plain_overhead_s, self.spec_overhead_s = 0.0, 0.0
         self.current: int | None = None
         self.plain_run = 0
+        self.probe_gap = probe_every
+        self.probing = False
         self.trace = PolicyTrace()
 
     def rates(self, max_width: int) -> list[float]:
@@ -250,8 +260,9 @@ class AdaptiveBlockPolicy:
     def next_width(self, max_width: int) -> int:
         picked = self.choice(max_width)
         width = picked.width
-        if width == 1 and self.probe_every and self.plain_run + 1 >= self.probe_every \
-                and max_width >= 2 and self.can_ever_win(max_width):
+        self.probing = width == 1 and self.probe_gap and self.plain_run + 1 >= self.probe_gap \
+            and max_width >= 2 and self.can_ever_win(max_width)
+        if self.probing:
             rates = self.rates(max_width)
             width = max(range(2, len(rates) + 1), key=lambda w: (rates[w - 1], -w))
             self.trace.n_probes += 1
@@ -266,11 +277,24 @@ class AdaptiveBlockPolicy:
         """Learn from a `CycleStats`: acceptance from speculative cycles, overheads from all."""
         if cycle.n_drafted > 0:
             self.plain_run = 0
+            if self.probing and self._beat_plain(cycle):
+                self.acceptance.reset()  # the text changed since the evidence was gathered
             self.acceptance.observe(cycle.n_drafted, cycle.n_accepted)
             self.spec_overhead_s = self._update_overhead(self.spec_overhead_s, cycle)
+            if self.probing:
+                won = self.choice(cycle.width).speculate
+                self.probe_gap = self.probe_every if won else min(2 * self.probe_gap, MAX_PROBE_EVERY)
         else:
             self.plain_run += 1
             self.plain_overhead_s = self._update_overhead(self.plain_overhead_s, cycle)
+
+    def _beat_plain(self, cycle) -> bool:
+        """Whether this cycle's tokens came faster than plain decoding's predicted rate."""
+        if cycle.width > self.costs.max_width:
+            return False
+        spec_s = max(self.costs.cycle_s(cycle.width) + self.spec_overhead_s, self.costs.cycle_s(cycle.width) / 2)
+        plain_s = max(self.costs.cycle_s(1) + self.plain_overhead_s, self.costs.cycle_s(1) / 2)
+        return (cycle.n_accepted + 1) / spec_s > 1 / plain_s
 
     def _update_overhead(self, overhead: float, cycle) -> float:
         if not 1 <= cycle.width <= self.costs.max_width:
