@@ -60,7 +60,7 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
-    def start(self, timeout: float = 120) -> "ServerProcess":
+    def start(self, timeout: float = 120) -> ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([*CLI, *self.args], stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, env=cli_env(), cwd=ROOT)

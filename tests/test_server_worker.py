@@ -10,6 +10,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+from tiny import tiny_drafter, tiny_target
 
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.sampling import SamplingParams
@@ -19,7 +20,6 @@ from dflash2_mlx.server.errors import APIError, validation_message
 from dflash2_mlx.server.metrics import Metrics, parse
 from dflash2_mlx.server.worker import Failed, GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
 from dflash2_mlx.session import Session
-from tiny import tiny_drafter, tiny_target
 
 PROMPT = [1, 40, 41, 42, 43]
 
@@ -61,7 +61,7 @@ def test_fifo_order_capacity_and_stats(session):
     assert waits == sorted(waits)
     reference = session.generate(PROMPT, max_tokens=6)
     events = results[2]
-    assert sum((e.tokens for e in events), []) == reference.tokens
+    assert [t for e in events for t in e.tokens] == reference.tokens
     stats = jobs[2].stats
     assert stats.predicted_n == len(reference.tokens) and stats.finish_reason == "length"
     assert stats.n_cycles == len(reference.cycles)
@@ -165,8 +165,8 @@ def test_model_names(session):
 
 
 def test_config_bounds():
-    for kwargs in (dict(port=70000), dict(max_concurrency=0), dict(max_tokens_cap=0), dict(api_key=" "),
-                   dict(max_prompt_tokens=0), dict(default_temperature=-1.0)):
+    for kwargs in ({"port": 70000}, {"max_concurrency": 0}, {"max_tokens_cap": 0}, {"api_key": " "},
+                   {"max_prompt_tokens": 0}, {"default_temperature": -1.0}):
         with pytest.raises(ConfigError):
             ServerConfig(**kwargs)
     assert ServerConfig(max_tokens_cap=100).max_tokens_default == 100

@@ -17,15 +17,14 @@ Examples:
 
   dflash2 serve Qwen3.8-27B --port 8080 --api-key secret
 
-  dflash2 serve ./my-model --drafter ./my-drafter --max-tokens-cap 8192
+  dflash2 serve ./my-model --drafter ./my-drafter --max-tokens-cap 8192 --json
 
-  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
-       -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-  curl localhost:8000/api/generate -H 'Content-Type: application/json' -d '{"prompt": "Hi"}'   # Ollama NDJSON
+  curl localhost:8000/api/generate -H 'Content-Type: application/json' -d '{"prompt": "Hi"}'
 
-Routes: POST /v1/chat/completions, /v1/completions, /api/chat, /api/generate;
-GET /v1/models, /api/tags, /api/version, /health, /metrics (Prometheus).
+  Routes: POST /v1/chat/completions, /v1/completions, /api/chat, /api/generate, /api/show;
+  GET /v1/models, /api/tags, /api/version, /health (no auth), /metrics (Prometheus).
 """
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -11,13 +11,13 @@ import secrets
 from contextlib import asynccontextmanager
 
 import anyio
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from .._version import __version__
 from . import errors, ollama, openai_api
 from .config import ServerConfig
-from .dispatch import ServerState, get_state, make_state
+from .dispatch import ServerState, StateDep, make_state
 from .errors import APIError, error_response
 
 PUBLIC_PATHS = frozenset({"/health"})
@@ -99,6 +99,9 @@ def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab
                 for op in ops.values():
                     op.get("responses", {}).pop("422", None)
                     op.setdefault("responses", {}).update(_error_responses())
+                    for param in op.get("parameters", []):
+                        if param.get("name") == "model":
+                            param["schema"] = {"type": "string", "enum": [model_name], "title": "Model"}
             components = schema.get("components", {}).get("schemas", {})
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
@@ -147,18 +150,19 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
     app.include_router(ollama.router)
 
     @app.get("/health", summary="Liveness and queue state (no auth)")
-    async def health(state: ServerState = Depends(get_state)):
+    async def health(state: StateDep):
         body = {"status": "ok" if state.worker.accepting else "shutting down", "model": state.model_name,
                 "busy": state.worker.busy, "queue_depth": state.worker.depth}
         return JSONResponse(body, status_code=200 if state.worker.accepting else 503)
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
-    async def metrics(state: ServerState = Depends(get_state)):
+    async def metrics(state: StateDep):
         state.metrics.queue_depth(state.worker.depth)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/", summary="Banner (Ollama clients probe it)", response_class=PlainTextResponse)
-    async def root(state: ServerState = Depends(get_state)):
+    @app.api_route("/", methods=["GET", "HEAD"], summary="Banner (Ollama clients probe it)",
+                   response_class=PlainTextResponse)
+    async def root(state: StateDep):
         return PlainTextResponse(f"dflash2 {__version__} is running: {state.model_name} "
                                  "(OpenAI API under /v1, Ollama API under /api)")
 

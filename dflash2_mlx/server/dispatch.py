@@ -14,12 +14,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import anyio
-from fastapi import Request
+from fastapi import Depends, Request
 
 from .._version import __version__
-from ..errors import ConfigError
+from ..errors import ConfigError, DFlashError
 from ..sampling import SamplingParams
 from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
 from .errors import APIError
@@ -96,6 +97,9 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.dflash
 
 
+StateDep = Annotated[ServerState, Depends(get_state)]
+
+
 # -- checks ----------------------------------------------------------------------------------
 
 
@@ -125,7 +129,7 @@ def _registry_knows(name: str) -> bool:
         from ..registry import load_registry
 
         return load_registry().find(name) is not None
-    except Exception:  # noqa: BLE001 - a missing or broken registry only loses the hint
+    except (DFlashError, OSError):  # a missing or broken registry only loses the hint
         return False
 
 

@@ -15,7 +15,7 @@ from collections import Counter
 # paths cannot grow the label set without bound.
 KNOWN_ROUTES = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-    "/api/chat", "/api/generate", "/api/tags", "/api/version", "/openapi.json",
+    "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/openapi.json", "/",
 })
 
 

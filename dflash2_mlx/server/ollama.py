@@ -1,4 +1,5 @@
-"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams), /api/tags, /api/version.
+"""Ollama-compatible routes: /api/chat, /api/generate (NDJSON streams), /api/tags, /api/show,
+/api/version.
 
 Lines carry Ollama's fields (`model`, `created_at`, `response` or `message`, `done`,
 `done_reason`) and its nanosecond durations and counts (`total_duration`, `load_duration`,
@@ -11,24 +12,24 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .._version import __version__
 from . import dispatch
-from .dispatch import ServerState, get_state
+from .dispatch import ServerState, StateDep
 from .errors import APIError
-from .schema import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions
+from .schema import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
 from .worker import Job, JobFailed
 
 router = APIRouter(prefix="/api", tags=["ollama"])
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+    return datetime.now(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def _done_fields(job: Job, started: float, finish: str | None) -> dict:
@@ -61,7 +62,7 @@ def _limits(state: ServerState, options: OllamaOptions | None):
     return n_max, params, dispatch.stop_list(o.stop)
 
 
-async def _submit(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
+def _submit(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
     dispatch.check_prompt(state, ids)
     n_max, params, stop = _limits(state, body.options)
     return dispatch.submit(state, ids, params, n_max, stop, endpoint)
@@ -83,7 +84,8 @@ async def _ndjson(job: Job, piece, done_extra, started: float):
     except JobFailed as e:
         yield json.dumps({"error": e.failure.message}) + "\n"
         return
-    yield json.dumps({"created_at": _now(), **piece(""), **done_extra(tokens), **_done_fields(job, started, finish)}) + "\n"
+    last = {"created_at": _now(), **piece(""), **done_extra(tokens), **_done_fields(job, started, finish)}
+    yield json.dumps(last) + "\n"
 
 
 async def _respond(request: Request, state: ServerState, body, job: Job, piece, done_extra, started: float):
@@ -101,20 +103,20 @@ async def _respond(request: Request, state: ServerState, body, job: Job, piece, 
 
 
 @router.post("/generate", summary="Generate (Ollama)")
-async def generate(body: OllamaGenerateRequest, request: Request, state: ServerState = Depends(get_state)):
+async def generate(body: OllamaGenerateRequest, request: Request, state: StateDep):
     started = time.perf_counter()
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
     if not body.prompt and not body.system:
         return _loaded(body.model or state.model_name, {"response": ""})
     ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, think=body.think)
-    job = await _submit(state, body, ids, "generate")
+    job = _submit(state, body, ids, "generate")
     return await _respond(request, state, body, job, lambda text: {"response": text},
                           lambda tokens: {"context": ids + tokens}, started)
 
 
 @router.post("/chat", summary="Chat (Ollama)")
-async def chat(body: OllamaChatRequest, request: Request, state: ServerState = Depends(get_state)):
+async def chat(body: OllamaChatRequest, request: Request, state: StateDep):
     started = time.perf_counter()
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
@@ -122,7 +124,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: ServerState = D
         return _loaded(body.model or state.model_name, {"message": {"role": "assistant", "content": ""}})
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     ids = await dispatch.encode(state, messages, raw=False, think=body.think)
-    job = await _submit(state, body, ids, "chat")
+    job = _submit(state, body, ids, "chat")
     return await _respond(request, state, body, job,
                           lambda text: {"message": {"role": "assistant", "content": text}},
                           lambda tokens: {}, started)
@@ -153,20 +155,40 @@ def _dir_size(path) -> int:
     return sum(f.stat().st_size for f in p.glob("*") if f.is_file()) if p.is_dir() else 0
 
 
-@router.get("/tags", summary="The loaded model (Ollama)")
-async def tags(state: ServerState = Depends(get_state)):
-    target_path = state.session.spec.target
-    modified = datetime.fromtimestamp(Path(target_path).stat().st_mtime, timezone.utc) \
-        if Path(target_path).exists() else datetime.now(timezone.utc)
+def _model_entry(state: ServerState) -> dict:
+    target_path = Path(state.session.spec.target)
+    when = target_path.stat().st_mtime if target_path.exists() else time.time()
     name = state.model_name if ":" in state.model_name else f"{state.model_name}:latest"
-    return {"models": [{
+    return {
         "name": name,
         "model": name,
-        "modified_at": modified.isoformat().replace("+00:00", "Z"),
+        "modified_at": datetime.fromtimestamp(when, UTC).isoformat().replace("+00:00", "Z"),
         "size": _dir_size(target_path),
         "digest": hashlib.sha256(str(target_path).encode()).hexdigest(),
         "details": _model_details(state),
-    }]}
+    }
+
+
+@router.get("/tags", summary="The loaded model (Ollama)")
+async def tags(state: StateDep):
+    return {"models": [_model_entry(state)]}
+
+
+@router.post("/show", summary="Model details (Ollama)")
+async def show(body: OllamaShowRequest, state: StateDep):
+    dispatch.check_model(state, body.model or body.name)
+    target = state.session.target
+    arch = target.model_type
+    return {
+        "modelfile": "",
+        "parameters": "",
+        "template": getattr(target.tokenizer, "chat_template", None) or "",
+        "details": _model_details(state),
+        "model_info": {"general.architecture": arch, "general.parameter_count": state.n_params,
+                       f"{arch}.context_length": state.max_prompt_tokens},
+        "capabilities": ["completion"],
+        "modified_at": _model_entry(state)["modified_at"],
+    }
 
 
 @router.get("/version", summary="Server version (Ollama)")

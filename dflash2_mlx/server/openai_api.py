@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import time
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from .._version import __version__
 from . import dispatch
-from .dispatch import ServerState, get_state
+from .dispatch import ServerState, StateDep
 from .errors import error_body
 from .schema import ChatCompletionRequest, CompletionRequest
 from .worker import Job, JobFailed
@@ -71,7 +71,7 @@ def _stream_response(state: ServerState, job: Job, chunks) -> EventSourceRespons
     return EventSourceResponse(dispatch.guarded(state, job, chunks), sep="\n", shutdown_grace_period=grace)
 
 
-async def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
+def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
     dispatch.check_prompt(state, ids)
     n_max = dispatch.max_tokens(state, getattr(body, "max_completion_tokens", None), body.max_tokens)
     params = dispatch.sampling(state, temperature=body.temperature, seed=body.seed, top_p=body.top_p,
@@ -81,13 +81,13 @@ async def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> J
 
 
 @router.post("/chat/completions", summary="Chat completion (OpenAI)")
-async def chat_completions(body: ChatCompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
     think = (body.chat_template_kwargs or {}).get("enable_thinking")
     ids = await dispatch.encode(state, _messages(body), raw=False,
                                 think=think if isinstance(think, bool) else None)
-    job = await _prepare(state, body, ids, "chat")
+    job = _prepare(state, body, ids, "chat")
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -126,11 +126,11 @@ async def _completion_ids(state: ServerState, prompt) -> list[int]:
 
 
 @router.post("/completions", summary="Text completion (OpenAI)")
-async def completions(body: CompletionRequest, request: Request, state: ServerState = Depends(get_state)):
+async def completions(body: CompletionRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
     ids = await _completion_ids(state, body.prompt)
-    job = await _prepare(state, body, ids, "completions")
+    job = _prepare(state, body, ids, "completions")
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -154,11 +154,11 @@ def _model_card(state: ServerState) -> dict:
 
 
 @router.get("/models", summary="The loaded model (OpenAI)")
-async def list_models(state: ServerState = Depends(get_state)):
+async def list_models(state: StateDep):
     return {"object": "list", "data": [_model_card(state)]}
 
 
 @router.get("/models/{model:path}", summary="One model (OpenAI)")
-async def get_model(model: str, state: ServerState = Depends(get_state)):
+async def get_model(model: str, state: StateDep):
     dispatch.check_model(state, model)
     return _model_card(state)

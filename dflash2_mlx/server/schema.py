@@ -202,3 +202,9 @@ class OllamaChatRequest(_OllamaBody):
         if any(m.images for m in self.messages):
             return "images are not supported"
         return super().unsupported()
+
+
+class OllamaShowRequest(_Body):
+    model: ModelName
+    name: ModelName
+    verbose: bool = False

@@ -282,7 +282,7 @@ class GenerationWorker:
                 events.close()
         except DFlashError as e:
             job.post(Failed(400, str(e)))
-        except Exception as e:  # noqa: BLE001 - any bug must reach the client as a 500, not kill the worker
+        except Exception as e:  # noqa: BLE001 - a bug must reach the client as a 500, not kill the worker
             log.exception("generation failed for request %s", job.id)
             job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
         else:
