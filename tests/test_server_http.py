@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -44,6 +45,8 @@ def server(pair, tmp_path_factory):
     with ServerProcess(*pair, "--api-key", API_KEY, "--max-tokens-cap", "32", "--max-prompt-tokens", "256",
                        log_path=log) as proc:
         yield proc
+        proc.signal(signal.SIGINT)  # Ctrl-C: a graceful stop and exit code 0
+        assert proc.wait(60) == 0
         assert "Traceback" not in proc.logs(), proc.logs()
 
 

@@ -19,7 +19,8 @@ Examples:
 
   dflash2 serve ./my-model --drafter ./my-drafter --max-tokens-cap 8192 --json
 
-  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+  curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"messages":[{"role":"user","content":"Hi"}]}'
 
   curl localhost:8000/api/generate -H 'Content-Type: application/json' -d '{"prompt": "Hi"}'
 

@@ -46,6 +46,9 @@ class Guard:
             if refusal is not None:
                 return await error_response(path, refusal)(scope, receive, counted_send)
             await self.app(scope, receive, counted_send)
+        except Exception:
+            status.append(500)  # answered by the outermost error middleware, after us
+            raise
         finally:
             if status:
                 self.state.metrics.response(path, status[0])
