@@ -64,6 +64,10 @@ class Session:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         if system and not any(m.get("role") == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": system})
+        if not getattr(tok, "chat_template", None):
+            # No template (base models): a plain transcript, as mlx-lm's server does.
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
+            return tok.encode(text)
         kwargs = {} if think is None else {"enable_thinking": think}
         return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
 
