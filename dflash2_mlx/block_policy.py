@@ -385,7 +385,7 @@ def calibration_info(cache_dir: Path | None = None) -> list[dict]:
         out.append({
             "path": str(path),
             "target": cal.model.get("target", {}).get("path"),
-            "drafter": cal.model.get("drafter", {}).get("path"),
+            "drafter": _drafter_label(cal.model.get("drafter", {})),
             "machine": cal.machine.get("summary"),
             "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(cal.created)),
             "max_width": cal.costs.max_width,
@@ -397,6 +397,15 @@ def calibration_info(cache_dir: Path | None = None) -> list[dict]:
         })
     out.sort(key=lambda d: -d.pop("created_ts"))
     return out
+
+
+def _drafter_label(info: dict) -> str | None:
+    if info.get("path"):
+        return info["path"]
+    if not info:
+        return None
+    return f"{info.get('arch')} drafter ({info.get('n_layers')} layers, hidden {info.get('hidden_size')}, " \
+           f"block {info.get('block_size')})"
 
 
 def get_calibration(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,

@@ -60,7 +60,7 @@ def machine_fingerprint() -> dict:
         "mlx": mx.__version__,
         "blas": blas if platform.system() == "Linux" else "system",
     }
-    gpu = f" / {device}" if device else ""
+    gpu = f" / {device}" if device and device != fields["cpu"] else ""
     fields["summary"] = f"{fields['cpu']}{gpu}, {fields['device']}, mlx {fields['mlx']}, {fields['blas']} BLAS"
     return fields
 

@@ -186,6 +186,9 @@ def test_calibration_cache_roundtrip_and_info(tmp_path):
     assert info[0]["speculation_can_win"] is True
     assert info[0]["cost_ratio_by_width"][0] == 1.0
     assert bp.calibration_info(tmp_path / "missing") == []
+    cal.model["drafter"] = {"path": None, "arch": "dflash2", "n_layers": 2, "hidden_size": 64, "block_size": 8}
+    bp.save_calibration(cal, tmp_path)
+    assert bp.calibration_info(tmp_path)[0]["drafter"] == "dflash2 drafter (2 layers, hidden 64, block 8)"
 
 
 def test_costs_reject_bad_values():
