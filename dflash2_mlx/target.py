@@ -217,9 +217,19 @@ class Target:
 
     # -- compute --------------------------------------------------------------------
 
-    def make_cache(self, reserve: int = 16) -> list:
-        """Fresh caches that can roll back up to `reserve` tokens per verify pass."""
-        return adapt_cache(self._base_cache(), reserve)
+    def make_cache(self, reserve: int = 16, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+        """Fresh caches that can roll back up to `reserve` tokens per verify pass.
+
+        `kv_bits` (4 or 8) stores full-attention keys/values quantized (mlx-lm's QuantizedKVCache).
+        """
+        base = self._base_cache()
+        if kv_bits is not None:
+            from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+            if kv_bits not in (4, 8):
+                raise ConfigError(f"kv_bits must be 4 or 8, got {kv_bits}")
+            base = [QuantizedKVCache(kv_group_size, kv_bits) if type(c) is KVCache else c for c in base]
+        return adapt_cache(base, reserve)
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Input embeddings as the decoder's layer 0 sees them (scale included)."""

@@ -148,3 +148,17 @@ def test_bad_arguments_fail_with_values():
         generate(target, None, [1, 500])
     with pytest.raises(ConfigError, match="temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)
+
+
+def test_quantized_kv_cache_rolls_back_exactly():
+    target = tiny_target("llama", head_dim=32)
+    plain = generate(target, None, PROMPT, max_tokens=32, kv_bits=8)
+    spec = generate(target, tiny_drafter(target, "dflash2"), PROMPT, max_tokens=32, block_size=5, kv_bits=8)
+    truth = PROMPT + plain.tokens + [3] * 16
+    scripted = generate(target, ScriptedDrafter(target, truth, 6), PROMPT, max_tokens=32, kv_bits=8)
+    assert spec.tokens == plain.tokens == scripted.tokens
+    assert {c.n_accepted for c in scripted.speculative_cycles} == set(range(6))
+    with pytest.raises(ConfigError, match="kv_bits must be 4 or 8, got 3"):
+        generate(target, None, PROMPT, kv_bits=3)
+    with pytest.raises(ConfigError, match="multiple of 32, got 16"):
+        generate(tiny_target("llama"), None, PROMPT, kv_bits=8)

@@ -75,9 +75,9 @@ def _scale_weights(model: nn.Module, seed: int, std: float = 0.08) -> None:
     mx.eval(model.parameters())
 
 
-def tiny_model(family: str, seed: int = 0) -> nn.Module:
+def tiny_model(family: str, seed: int = 0, **overrides) -> nn.Module:
     module = importlib.import_module(f"mlx_lm.models.{family}")
-    config = FAMILIES[family]
+    config = dict(FAMILIES[family], **overrides)
     model = module.Model(module.ModelArgs.from_dict(config))
     if family == "gemma3_text":
         model.sanitize({})  # ties the head to the embedding, as loading a tied checkpoint does
@@ -88,11 +88,11 @@ def tiny_model(family: str, seed: int = 0) -> nn.Module:
 
 
 def tiny_target(family: str = "llama", seed: int = 0, fast_recurrent_replay: bool = True,
-                eos: tuple[int, ...] = ()) -> Target:
+                eos: tuple[int, ...] = (), **overrides) -> Target:
     """A tiny target; no EOS by default so generations run to max_tokens."""
     tokenizer = TinyTokenizer.make()
     tokenizer._eos_token_ids = set(eos)
-    return Target(tiny_model(family, seed), tokenizer, path=f"tiny-{family}",
+    return Target(tiny_model(family, seed, **overrides), tokenizer, path=f"tiny-{family}",
                   fast_recurrent_replay=fast_recurrent_replay)
 
 
