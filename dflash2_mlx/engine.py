@@ -208,6 +208,8 @@ def _step_plain(run: _Run) -> tuple[list[int], CycleStats]:
     token = _choose(run, logits[0], [], run.next_key())
     if hidden is not None:
         run.pending_ctx.append(hidden)
+        if len(run.pending_ctx) > 32:  # long plain stretches: keep the list short
+            run.pending_ctx = [mx.concatenate(run.pending_ctx, axis=1)]
         _cap_context(run, run.drafter.config.context_limit)
     token = int(token.item())
     return [token], CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)

@@ -37,6 +37,7 @@ class Session:
     drafter: object | None
     block_size: int | str | None
     notes: list[str] = field(default_factory=list)
+    _policy: object | None = None  # one adaptive policy per session: it keeps learning across requests
 
     @classmethod
     def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
@@ -83,7 +84,8 @@ class Session:
         if self.block_size == "auto":
             from .block_policy import auto_policy
 
-            return self.drafter.config.block_size, auto_policy(self.target, self.drafter)
+            self._policy = self._policy or auto_policy(self.target, self.drafter)
+            return self.drafter.config.block_size, self._policy
         return self.block_size or self.drafter.config.block_size, None
 
     def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),

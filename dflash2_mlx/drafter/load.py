@@ -137,7 +137,9 @@ def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype
     """
     path = resolve_drafter_dir(path_or_repo)
     raw, weights = read_checkpoint(path)
-    return build_drafter(parse_config(raw), weights, target, draft_bits, dtype)
+    model = build_drafter(parse_config(raw), weights, target, draft_bits, dtype)
+    model.path = str(path)
+    return model
 
 
 def published_config(config: DrafterConfig, extra: dict | None = None) -> dict:

@@ -144,6 +144,7 @@ class Drafter(nn.Module):
                                     scaling_config=c.rope_scaling,
                                     max_position_embeddings=c.max_position_embeddings)
         self.target = None
+        self.path: str | None = None
 
     def bind(self, target) -> "Drafter":
         """Share `target`'s embedding and head; fails first if the two do not fit."""
