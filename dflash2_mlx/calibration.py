@@ -49,7 +49,9 @@ def machine_fingerprint() -> dict:
         device = str(info.get("device_name") or info.get("architecture") or "")
     except Exception:  # device_info is absent on some backends/builds
         device = ""
-    blas = "openblas" if "openblas" in os.environ.get("LD_PRELOAD", "") else "bundled"
+    from .cli._blas import active_blas
+
+    blas = active_blas()["name"]
     fields = {
         "host": platform.node(),
         "system": f"{platform.system()} {platform.machine()}",

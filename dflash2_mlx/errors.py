@@ -24,3 +24,7 @@ class UnsupportedCacheError(DFlashError):
 
 class ResolveError(DFlashError):
     """A model name could not be resolved to files (unknown alias, offline, missing path)."""
+
+
+class KernelUnavailableError(DFlashError):
+    """A custom kernel was requested explicitly where it cannot run."""

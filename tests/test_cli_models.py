@@ -12,22 +12,12 @@ from dflash2_mlx.drafter.load import save_drafter
 from dflash2_mlx.drafter.model import Drafter
 from dflash2_mlx.registry import load_registry
 from gguf_fixtures import tiny_hf_model, write_gguf
-from tiny import FAMILIES, drafter_config_dict, save_tiny_pair
+from tiny import FAMILIES, drafter_config_dict
 
 runner = CliRunner()
+pytestmark = pytest.mark.usefixtures("isolated")
 
 
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return tmp_path
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 def invoke(*args):

@@ -16,21 +16,9 @@ from dflash2_mlx.errors import ConfigError, IncompatibleDrafterError, ResolveErr
 from dflash2_mlx.registry import load_registry
 from gguf_fixtures import tiny_hf_model, write_gguf
 from real_assets import smollm2_gguf
-from tiny import drafter_config_dict, save_tiny_pair, tiny_target
+from tiny import drafter_config_dict, tiny_target
 
 
-@pytest.fixture
-def isolated(tmp_path, monkeypatch):
-    """An empty dflash2 cache and HF cache, and no network."""
-    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path / "home"))
-    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return tmp_path
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    return save_tiny_pair(tmp_path_factory.mktemp("pair"))
 
 
 def one_line(err: Exception) -> str:

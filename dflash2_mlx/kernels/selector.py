@@ -24,7 +24,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..errors import DFlashError
+from ..errors import KernelUnavailableError
 
 NAME = "dflash2_selector"
 BODY_FILE = "selector_lattice.metal"
@@ -35,10 +35,6 @@ OUTPUT_NAMES = ("lattice", "path", "q")
 FLOAT_DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 MAX_K = 32  # one thread per lattice cell: K * K <= 1024 threads per threadgroup
 ENV_DISABLE = "DFLASH2_NO_KERNELS"
-
-
-class KernelUnavailableError(DFlashError):
-    """A kernel was requested explicitly where it cannot run."""
 
 
 # ----------------------------------------------------------------------------- sources
