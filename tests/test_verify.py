@@ -131,3 +131,122 @@ def test_power_check_broken_verifier_fails(monkeypatch):
     monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
     counts, _ = _first_two_tokens(N_DRAWS // 2, seed=99)
     assert _chi2_pvalue(counts, _joint_expected()) < ALPHA
+
+
+# -- End to end: the engine at T > 0 -----------------------------------------------------
+# The first three tokens emitted by `generate` (the first from prefill, then one cycle of width
+# 2: a draft and the token after it, or a plain step after a rejection) must follow the
+# target's exact joint distribution: with a real DFlash 2 drafter (its sampled selector walk gives q), and with a
+# drafter whose q overlaps p strongly, which gives the power check its teeth (a random drafter
+# overlaps p so little that resampling from p instead of the residual would go unnoticed).
+
+E2E_PROMPT = [1, 40, 41, 42]
+E2E_PARAMS = dict(temperature=1.0, top_k=4)
+
+
+class OverlapDrafter:
+    """Proposes from q = uniform over the target's 8 most likely next tokens (computed directly
+    from the target after the tokens so far; half of them have p = 0 under top-k 4), returning
+    sparse q like DFlash 2. Broken residuals then shift the output by a chi-square
+    noncentrality of about 0.035 per draw on the first two tokens (70 at 2000 draws)."""
+
+    def __init__(self, target, prompt):
+        from dflash2_mlx.drafter.config import parse_config
+        from tiny import drafter_config_dict
+
+        self.config = parse_config(drafter_config_dict("dflash", block_size=3, target_layers=(1,)))
+        self.target, self.history, self.last = target, list(prompt), []
+
+    def make_cache(self):
+        return []
+
+    def propose(self, anchor, ctx, cache, block_size, temperature=0.0, key=None, use_kernel=None):
+        from dflash2_mlx.drafter.selector import Proposal
+        from dflash2_mlx.sampling import SamplingParams, target_probs
+
+        n_rows = ctx.shape[1]
+        if self.last is not None and len(self.history) != n_rows:  # not the first call
+            self.history += self.last[: n_rows - 1]
+        self.history.append(int(anchor[0]))
+        tokens, cands, qs, seq = [], [], [], list(self.history)
+        for i, k in enumerate(mx.random.split(key, block_size - 1)):
+            logits, _ = self.target.forward(mx.array([seq]), self.target.make_cache(), logits="last")
+            p = target_probs(logits[0], SamplingParams(**E2E_PARAMS))[0]
+            top = mx.argsort(-p)[:8]
+            q = mx.full((8,), 1 / 8)
+            pick = int(mx.random.categorical(mx.log(q), key=k).item())
+            tokens.append(int(top[pick]))
+            cands.append(top)
+            qs.append(q)
+            seq.append(tokens[-1])
+        self.last = tokens
+        return Proposal(tokens=mx.array([tokens]), candidates=mx.stack(cands)[None], q=mx.stack(qs)[None])
+
+
+def _engine_first_three(make_drafter, n_draws, seed0):
+    from dflash2_mlx import SamplingParams, generate
+    from tiny import tiny_target
+
+    target = tiny_target("qwen3")
+    counts = {}
+    for i in range(n_draws):
+        result = generate(target, make_drafter(target), E2E_PROMPT, max_tokens=3, block_size=3,
+                          sampling=SamplingParams(seed=seed0 + i, **E2E_PARAMS))
+        assert result.cycles[0].n_drafted == 1  # token 2 always comes out of a verify pass
+        counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
+    return target, counts
+
+
+def _exact_joint(target, n=3):
+    """{(x1..xn): probability} of the target's own first n tokens, by enumeration."""
+    from dflash2_mlx.sampling import SamplingParams, target_probs
+
+    sp = SamplingParams(**E2E_PARAMS)
+    joint = {(): 1.0}
+    for _ in range(n):
+        nxt = {}
+        for prefix, prob in joint.items():
+            logits, _ = target.forward(mx.array([E2E_PROMPT + list(prefix)]), target.make_cache(), logits="last")
+            p = np.array(target_probs(logits[0], sp)[0], dtype=np.float64)
+            for x in np.nonzero(p)[0]:
+                nxt[prefix + (int(x),)] = prob * p[x]
+        joint = nxt
+    return joint
+
+
+def _marginal(dist, n):
+    out = {}
+    for k, v in dist.items():
+        out[k[:n]] = out.get(k[:n], 0) + v
+    return out
+
+
+def _e2e_pvalue(counts, joint, n=3):
+    """Chi-square p-value of the first n emitted tokens against the exact joint."""
+    counts, joint = _marginal(counts, n), _marginal(joint, n)
+    assert set(counts) <= set(joint), f"emitted tokens outside the target's support: {set(counts) - set(joint)}"
+    keys = sorted(joint)
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=np.float64)
+    expected = np.array([joint[k] for k in keys])
+    return stats.chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
+
+
+def _real_v2(target):
+    from tiny import tiny_drafter
+
+    return tiny_drafter(target, "dflash2", block_size=3, top_k=8)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("make_drafter", [_real_v2, lambda t: OverlapDrafter(t, E2E_PROMPT)], ids=["dflash2", "overlap"])
+def test_engine_emits_the_target_distribution(make_drafter):
+    target, counts = _engine_first_three(make_drafter, 2000, seed0=0)
+    joint = _exact_joint(target)
+    assert _e2e_pvalue(counts, joint, 2) > ALPHA and _e2e_pvalue(counts, joint, 3) > ALPHA
+
+
+@pytest.mark.slow
+def test_engine_power_check(monkeypatch):
+    monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
+    target, counts = _engine_first_three(lambda t: OverlapDrafter(t, E2E_PROMPT), 2000, seed0=50_000)
+    assert _e2e_pvalue(counts, _exact_joint(target), 2) < ALPHA
