@@ -111,3 +111,21 @@ def test_topk_candidates_sorted_and_exact():
     ref = np.argsort(-np.array(logits), axis=-1)[..., :16]
     assert np.array(cands).tolist() == ref.tolist()
     assert np.all(np.diff(np.array(unary), axis=-1) <= 0)
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("window,causal", [(None, False), (6, False), (6, True)])
+def test_drafter_forward_matches_float64_reference(arch, window, causal):
+    from reference.np_drafter import drafter_forward
+
+    target = tiny_target("llama")
+    types = ["full_attention", "full_attention"] if window is None else ["sliding_attention", "full_attention"]
+    drafter = tiny_drafter(target, arch, block_size=5, layer_types=types, sliding_window=window or 16,
+                           is_causal=causal)
+    params = {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(drafter.parameters())}
+    ctx = rng.normal(size=(11, 3 * 64))
+    block = [7] + [MASK_ID] * 4
+    ours = drafter.hidden_states(mx.array([block]), mx.array(ctx[None], dtype=mx.float32), drafter.make_cache())
+    embed = np.array(target.inner.embed_tokens.weight, dtype=np.float64)
+    ref = drafter_forward(params, drafter.config, np.array(block), ctx, embed)
+    np.testing.assert_allclose(np.array(ours[0]), ref, rtol=2e-4, atol=2e-4)
