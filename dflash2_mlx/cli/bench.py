@@ -64,7 +64,7 @@ def bench(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write every raw figure as JSON to this file "
                                                     "('-' = stdout, tables then go to stderr).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of acceptance by block position "
-                                                 "(needs matplotlib: pip install 'dflash2-mlx[plot]').")] = None,
+                                                 "(needs matplotlib: pip install matplotlib).")] = None,
     bundled: Annotated[bool, typer.Option("--bundled", help="Use the bundled prompt samples even when the full "
                                           "sets are installed.")] = False,
     warmup: Annotated[bool, typer.Option("--warmup/--no-warmup", help="One untimed generation per mode first.")] = True,
