@@ -212,6 +212,12 @@ class Target:
         return self.info.hidden_size
 
     @property
+    def activation_dtype(self):
+        """The float dtype the decoder computes in (its embedding's, or the quantization scales')."""
+        emb = self.inner.embed_tokens
+        return emb.scales.dtype if hasattr(emb, "scales") else emb.weight.dtype
+
+    @property
     def eos_token_ids(self) -> set[int]:
         return set(getattr(self.tokenizer, "eos_token_ids", None) or [])
 

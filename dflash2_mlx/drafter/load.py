@@ -107,7 +107,11 @@ def quantize_drafter(model: Drafter, bits: int, group_size: int = 64) -> None:
 
 def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=None,
                   draft_bits: int | None = None, dtype: str | None = None) -> Drafter:
-    """Validate against `target` (if given), load weights strictly, quantize, bind."""
+    """Validate against `target` (if given), load weights strictly, quantize, bind.
+
+    With no `dtype`, a bound drafter computes in the target's activation dtype (a bf16 file on
+    a float32 target is upcast: mixed-dtype matmuls are slow, and the states it reads are fp32).
+    """
     weights = sanitize(weights, config)
     if target is not None:
         fc = weights.get("fc.weight")
@@ -115,8 +119,10 @@ def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=No
     model = Drafter(config)
     _check_tensors(model, weights)
     model.load_weights(list(weights.items()), strict=True)
+    if dtype is None and target is not None:
+        dtype = target.activation_dtype
     if dtype is not None:
-        model.set_dtype(getattr(mx, dtype))
+        model.set_dtype(getattr(mx, dtype) if isinstance(dtype, str) else dtype)
     if draft_bits:
         quantize_drafter(model, draft_bits)
     mx.eval(model.parameters())
