@@ -50,7 +50,9 @@ class Session:
         defaults = dict(spec.defaults)
         target = load_target(spec.target, dtype=dtype or defaults.get("dtype"))
         bits = draft_bits if draft_bits is not None else defaults.get("draft_bits")
-        draft = load_drafter(spec.drafter, target, draft_bits=bits) if spec.drafter is not None else None
+        draft = None
+        if spec.drafter is not None:
+            draft = load_drafter(spec.drafter, target, draft_bits=bits, head_bits=defaults.get("draft_head_bits"))
         size = parse_block_size(block_size if block_size is not None else defaults.get("block_size"))
         return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=list(spec.notes))
 

@@ -212,6 +212,15 @@ class Target:
         return self.info.hidden_size
 
     @property
+    def dense_head_weight(self) -> mx.array | None:
+        """[V, H] weight of an unquantized head (tied or not), or None when it is quantized."""
+        head = self._head
+        if isinstance(head, nn.Module):
+            return None if isinstance(head, nn.QuantizedLinear) else head.weight
+        emb = self.inner.embed_tokens
+        return None if isinstance(emb, nn.QuantizedEmbedding) else emb.weight
+
+    @property
     def activation_dtype(self):
         """The float dtype the decoder computes in (its embedding's, or the quantization scales')."""
         emb = self.inner.embed_tokens

@@ -174,3 +174,16 @@ def test_draft_bits_quantizes_and_still_drafts(tmp_path, target, bits):
     assert out.tokens.shape == (1, 3)
     with pytest.raises(ConfigError, match="draft_bits must be 4 or 8, got 3"):
         load_drafter(ckpt, target, draft_bits=3)
+
+
+def test_quantized_draft_head_keeps_output_exact(target):
+    from dflash2_mlx import generate
+
+    drafter = tiny_drafter(target, "dflash2")
+    dense_logits = drafter.logits(mx.ones((1, 2, HIDDEN)))
+    assert drafter.quantize_head(8)
+    assert drafter._draft_head is not None and "_draft_head" not in dict(tree_flatten(drafter.parameters()))
+    q_logits = drafter.logits(mx.ones((1, 2, HIDDEN)))
+    assert 0 < float(mx.abs(q_logits - dense_logits).max()) < 0.5  # a quantized copy, not the same array
+    prompt = [1, 40, 41, 42, 7, 19]
+    assert generate(target, drafter, prompt, max_tokens=24).tokens == generate(target, None, prompt, max_tokens=24).tokens

@@ -132,12 +132,15 @@ def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=No
     return model
 
 
-def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype: str | None = None) -> Drafter:
+def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype: str | None = None,
+                 head_bits: int | None = None) -> Drafter:
     """Load a DFlash / DFlash 2 drafter (local dir or HF repo) and bind it to `target`.
 
     Args:
         draft_bits: quantize the drafter to 4 or 8 bits after loading.
         dtype: cast its weights ("float32", "bfloat16", "float16").
+        head_bits: draft through a private 4- or 8-bit copy of the target's head (see
+            `Drafter.quantize_head`); needs `target`.
     Raises:
         ConfigError, WeightsError, IncompatibleDrafterError, ResolveError.
     """
@@ -145,6 +148,10 @@ def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype
     raw, weights = read_checkpoint(path)
     model = build_drafter(parse_config(raw), weights, target, draft_bits, dtype)
     model.path = str(path)
+    if head_bits:
+        if head_bits not in (4, 8) or target is None:
+            raise ConfigError(f"head_bits must be 4 or 8 with a target, got {head_bits}")
+        model.quantize_head(head_bits)
     return model
 
 

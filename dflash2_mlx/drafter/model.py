@@ -145,12 +145,30 @@ class Drafter(nn.Module):
                                     max_position_embeddings=c.max_position_embeddings)
         self.target = None
         self.path: str | None = None
+        self._draft_head = None  # optional private quantized head (underscore: not a parameter)
 
     def bind(self, target) -> "Drafter":
         """Share `target`'s embedding and head; fails first if the two do not fit."""
         check_fits(self.config, target.info, fc_width=self._fc_in_features())
         self.target = target
         return self
+
+    def quantize_head(self, bits: int, group_size: int = 64) -> bool:
+        """Draft through a private `bits`-bit copy of the target's head.
+
+        The drafter reads the full head once per block, which for a small unquantized target is
+        a large share of a draft's cost. Verification keeps the target's exact head, so output is
+        unchanged; only proposals (and q) may differ slightly. Returns False when the target's
+        head is already quantized (nothing to gain).
+        """
+        weight = self._require_target().dense_head_weight
+        if weight is None:
+            return False
+        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        dense.weight = weight
+        self._draft_head = nn.QuantizedLinear.from_linear(dense, group_size, bits)
+        mx.eval(self._draft_head.parameters())
+        return True
 
     def _fc_in_features(self) -> int:
         w = self.fc.weight
@@ -189,7 +207,8 @@ class Drafter(nn.Module):
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Draft logits through the target's head, then the drafter's own transforms."""
-        out = self._require_target().head(hidden)
+        target = self._require_target()
+        out = self._draft_head(hidden) if self._draft_head is not None else target.head(hidden)
         if self.config.output_multiplier != 1.0:
             out = out * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
