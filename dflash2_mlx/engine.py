@@ -340,8 +340,8 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
     run.history.append(first)
     yield event(kept, None, finish)
     while finish is None:
-        remaining = max_tokens - len(stopper.tokens)
-        w = min(block_policy.next_width(width) if block_policy is not None else width, width, remaining)
+        cap = min(width, max_tokens - len(stopper.tokens))  # never draft past max_tokens
+        w = min(block_policy.next_width(cap), cap) if block_policy is not None else cap
         emitted, cycle = _step_speculative(run, w) if drafter is not None and w >= 2 else _step_plain(run)
         if block_policy is not None:
             block_policy.observe(cycle)
