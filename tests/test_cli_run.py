@@ -64,3 +64,38 @@ def test_demo_pair_runs_offline_and_speculation_matches_plain_decoding():
     assert default["drafter"] is not None and plain["drafter"] is None
     assert default["text"] == plain["text"]
     assert default["text"].strip() == text.stdout.strip()
+
+
+def test_chat_on_a_terminal_streams_answers_and_obeys_commands(pair, isolated):
+    """No PROMPT on a TTY opens a chat: answers stream, /reset clears, /exit quits."""
+    import pty
+    import select
+    import time
+
+    target, drafter = pair
+    main, child = pty.openpty()
+    env = dict(os.environ, DFLASH2_NO_OPENBLAS="1", COLUMNS="200")
+    proc = subprocess.Popen([sys.executable, "-m", "dflash2_mlx", "run", str(target), "--drafter", str(drafter),
+                             "-n", "6"], stdin=child, stdout=child, stderr=child, env=env, close_fds=True)
+    os.close(child)
+    seen = b""
+
+    def read_until(marker: bytes, timeout: float = 120.0) -> None:
+        nonlocal seen
+        deadline = time.time() + timeout
+        while marker not in seen and time.time() < deadline:
+            if select.select([main], [], [], 0.5)[0]:
+                try:
+                    seen += os.read(main, 4096)
+                except OSError:
+                    break
+        assert marker in seen, seen.decode(errors="replace")[-500:]
+
+    read_until(b"/exit quits")
+    for line, marker in [(b"Hello\n", b"tok/s"), (b"/reset\n", b"(history cleared)"), (b"Again\n", b"tok/s")]:
+        seen = b""
+        os.write(main, line)
+        read_until(marker)
+    os.write(main, b"/exit\n")
+    assert proc.wait(timeout=60) == 0
+    os.close(main)
