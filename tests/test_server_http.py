@@ -46,7 +46,7 @@ def server(pair, tmp_path_factory):
                        log_path=log) as proc:
         yield proc
         proc.signal(signal.SIGINT)  # Ctrl-C: a graceful stop and exit code 0
-        assert proc.wait(60) == 0
+        assert proc.wait(60) == 0, proc.logs()[-4000:]
         assert "Traceback" not in proc.logs(), proc.logs()
 
 
@@ -416,7 +416,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_cleanly(small):
     small.signal()
     for t in threads:
         t.join(120)
-    assert small.wait(60) == 0
+    assert small.wait(60) == 0, small.logs()[-4000:]
     events = results["stream"]
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
     assert events[-2]["timings"]["predicted_n"] == 120

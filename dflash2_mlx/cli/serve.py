@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import os
 import sys
 from typing import Annotated, Optional
 
@@ -91,4 +93,10 @@ def serve(
             typer.echo(f"  note: {note}", err=True)
         typer.echo("  Ctrl-C to stop.", err=True)
 
+    faulthandler.enable()  # a native crash prints every thread's Python stack to stderr
     run_server(session, config, on_ready=ready)
+    # Every request is finished and the worker joined. Skip interpreter teardown: MLX's native
+    # runtime can abort (SIGABRT) there on a race with idle library threads, seen once in CI.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

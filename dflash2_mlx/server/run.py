@@ -65,4 +65,5 @@ def serve(session, config: ServerConfig | None = None, on_ready: Callable[[str],
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        worker.close()  # idempotent; joins the generation thread if the lifespan could not
     log.info("server stopped")
