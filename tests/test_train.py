@@ -9,6 +9,7 @@ from mlx.utils import tree_flatten
 
 from dflash2_mlx import load_drafter
 from dflash2_mlx.train.data import FeatureShard, extract_features, generate_responses, iter_json_array
+from dflash2_mlx.train.export import export_drafter
 from dflash2_mlx.train.init import default_target_layer_ids, new_config, new_drafter, upgrade_to_v2
 from dflash2_mlx.train.loop import FeatureDataset, TrainConfig, Trainer
 from dflash2_mlx.train.loss import Batch, position_weights, selector_terms
@@ -150,6 +151,21 @@ def test_trained_checkpoint_loads_in_the_published_layout(target, features, tmp_
     assert names == expected
     drafter = load_drafter(tmp_path / "pub", target)
     assert drafter.config.is_v2 and drafter.config.block_size == 4
+
+
+def test_export_casts_to_bf16_and_loads_back_with_the_same_names(target, features, tmp_path):
+    trainer = _trainer(target, features, tmp_path / "run", steps=2)
+    trainer.run(progress=False)
+    out = export_drafter(tmp_path / "run" / "checkpoint", tmp_path / "bf16")
+    fp32, bf16 = mx.load(str(tmp_path / "run" / "model.safetensors")), mx.load(str(out / "model.safetensors"))
+    assert fp32.keys() == bf16.keys() and all(v.dtype == mx.bfloat16 for v in bf16.values())
+    for k in fp32:
+        np.testing.assert_array_equal(np.array(fp32[k].astype(mx.bfloat16).astype(mx.float32)),
+                                      np.array(bf16[k].astype(mx.float32)), err_msg=k)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_drafter(out, target).config.is_v2
+    with pytest.raises(ValueError, match="int4"):
+        export_drafter(out, tmp_path / "bad", "int4")
 
 
 def test_upgrade_v1_to_v2_keeps_backbone_outputs(target):

@@ -127,3 +127,19 @@ def fit(
         typer.echo(f"resumed from {out / 'checkpoint'} at step {trainer.state.step}", err=True)
     state = trainer.run()
     typer.echo(f"wrote {out} after {state.step} steps", err=True)
+
+
+@train_app.command("export", help="Copy a trained drafter (OUT of fit, or its checkpoint/) to DEST with its "
+                                  "weights cast to --dtype (bf16 halves the size), checked by loading it back.")
+@user_errors
+def export(
+    src: Annotated[Path, typer.Argument(help="A drafter directory or a training checkpoint directory.")],
+    dest: Annotated[Path, typer.Argument(help="Where to write config.json + model.safetensors.")],
+    dtype: Annotated[str, typer.Option("--dtype", help="bfloat16, float16 or float32.")] = "bfloat16",
+) -> None:
+    from ..train.export import DTYPES, export_drafter, file_size_mb
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    out = export_drafter(src, dest, dtype)
+    typer.echo(f"wrote {out} ({dtype}, {file_size_mb(out):.1f} MiB)", err=True)
