@@ -138,14 +138,6 @@ def _encode(target, prompt) -> list[int]:
     return ids
 
 
-def _kv_group(target, kv_bits: int | None) -> int:
-    # Quantization groups run along the head dimension (MLX supports groups of 32/64/128).
-    head_dim = getattr(target.args, "head_dim", None) or 64
-    if kv_bits is not None and head_dim % 32:
-        raise ConfigError(f"kv_bits needs a head dimension that is a multiple of 32, got {head_dim}")
-    return 64 if head_dim % 64 == 0 else 32
-
-
 def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: int) -> None:
     if not ids:
         raise ConfigError("the prompt is empty")
@@ -317,7 +309,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     run = _Run(
         target=target, drafter=drafter, params=params, key=mx.random.key(seed),
-        target_cache=target.make_cache(reserve=max(width, 1), kv_bits=kv_bits, kv_group_size=_kv_group(target, kv_bits)),
+        target_cache=target.make_cache(reserve=max(width, 1), kv_bits=kv_bits),
         drafter_cache=drafter.make_cache() if drafter is not None else None,
         taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
         history=list(ids), processors=make_processors(params),

@@ -232,7 +232,7 @@ class Target:
 
     # -- compute --------------------------------------------------------------------
 
-    def make_cache(self, reserve: int = 16, kv_bits: int | None = None, kv_group_size: int = 64) -> list:
+    def make_cache(self, reserve: int = 16, kv_bits: int | None = None) -> list:
         """Fresh caches that can roll back up to `reserve` tokens per verify pass.
 
         `kv_bits` (4 or 8) stores full-attention keys/values quantized (mlx-lm's QuantizedKVCache).
@@ -241,10 +241,19 @@ class Target:
         if kv_bits is not None:
             from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-            if kv_bits not in (4, 8):
-                raise ConfigError(f"kv_bits must be 4 or 8, got {kv_bits}")
-            base = [QuantizedKVCache(kv_group_size, kv_bits) if type(c) is KVCache else c for c in base]
+            group = self._kv_group_size(kv_bits)
+            base = [QuantizedKVCache(group, kv_bits) if type(c) is KVCache else c for c in base]
         return adapt_cache(base, reserve)
+
+    def _kv_group_size(self, kv_bits: int) -> int:
+        # Quantization groups run along the head dimension; MLX supports groups of 32 and 64.
+        if kv_bits not in (4, 8):
+            raise ConfigError(f"kv_bits must be 4 or 8, got {kv_bits}")
+        args = self.args
+        head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+        if head_dim % 32:
+            raise ConfigError(f"kv_bits needs a head dimension that is a multiple of 32, got {head_dim}")
+        return 64 if head_dim % 64 == 0 else 32
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Input embeddings as the decoder's layer 0 sees them (scale included)."""
