@@ -87,12 +87,11 @@ def caches() -> dict:
 
 
 def environment() -> dict:
-    from . import __version__
-    from .cli import _blas
+    from . import __version__, blas
 
     return {"dflash2": __version__, "python": sys.version.split()[0],
             "platform": f"{platform.system()} {platform.machine()}", "device": device(),
-            "kernels": kernels(), "blas": _blas.describe(), "cache": caches(),
+            "kernels": kernels(), "blas": blas.describe(), "cache": caches(),
             "calibrations": calibrations(), "hf_offline": hub.offline()}
 
 

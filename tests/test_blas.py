@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from dflash2_mlx.cli import _blas
+from dflash2_mlx import blas as _blas
 
 
 def test_reexec_decision_respects_platform_opt_out_and_existing_preload():
@@ -32,7 +32,7 @@ def test_active_blas_sees_a_preloaded_openblas():
     lib = _blas.find_openblas()
     if lib is None or _blas.bundled_reference_blas() is None:
         pytest.skip("needs the mlx-cpu wheel's bundled BLAS and a system OpenBLAS")
-    code = "import mlx.core; from dflash2_mlx.cli import _blas; print(_blas.active_blas()['name'])"
+    code = "import mlx.core; from dflash2_mlx import blas as _blas; print(_blas.active_blas()['name'])"
     plain = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            env={"PATH": "/usr/bin:/bin"}, check=True)
     fast = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

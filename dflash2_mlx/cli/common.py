@@ -66,8 +66,8 @@ def prepare_process() -> None:
     """Process-wide setup before any command runs (e.g. a faster BLAS on Linux)."""
     import os
 
-    from . import _blas
+    from .. import blas
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found" banner
 
-    _blas.maybe_reexec_with_openblas()
+    blas.maybe_reexec_with_openblas()
