@@ -18,8 +18,6 @@ runner = CliRunner()
 pytestmark = pytest.mark.usefixtures("isolated")
 
 
-
-
 def invoke(*args):
     return runner.invoke(app, [str(a) for a in args])
 

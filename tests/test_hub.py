@@ -19,8 +19,6 @@ from real_assets import smollm2_gguf
 from tiny import drafter_config_dict, tiny_target
 
 
-
-
 def one_line(err: Exception) -> str:
     text = str(err)
     assert "\n" not in text, text
