@@ -30,6 +30,29 @@ def test_conv_matches_reference(L, H, G, K):
     np.testing.assert_allclose(np.array(ours[0]), ref, rtol=1e-5, atol=1e-5)
 
 
+def _bf16_half_ulp(ref):
+    """Half the bf16 spacing at |ref| (8 significant bits), with a floor at the smallest normal."""
+    exponent = np.floor(np.log2(np.maximum(np.abs(ref), 2.0**-126)))
+    return 2.0 ** (exponent - 8)
+
+
+@pytest.mark.parametrize("dyn_scale", [0.01, 0.3])
+def test_bf16_conv_is_the_rounded_float64_result(dyn_scale):
+    # Rounding base + dyn to bf16 before the product lost the small dynamic term.
+    L, H, G, K = 8, 256, 16, 2
+    as_bf16 = lambda a: mx.array(a, dtype=mx.float32).astype(mx.bfloat16)  # noqa: E731
+    x = as_bf16(rng.normal(size=(L, H)))
+    dyn = as_bf16(rng.normal(size=(L, K, H // G)) * dyn_scale)
+    base = as_bf16(rng.normal(size=(K, H)) * 0.3 + np.array([1.0, 0.0])[:, None])
+    ours = grouped_dynamic_conv(x[None], dyn[None], base, G)[0]
+    assert ours.dtype == mx.bfloat16
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
+    ref = np_ops.grouped_dynamic_conv(f64(x), f64(dyn), f64(base), G)
+    err = np.abs(f64(ours) - ref)
+    off = err > _bf16_half_ulp(ref) * (1 + 1e-3)
+    assert not off.any(), f"{off.mean():.1%} not correctly rounded; max error {err.max():.3g}, mean {err.mean():.3g}"
+
+
 def test_conv_never_crosses_block_boundary():
     conv = GroupedDynamicCausalConv(32, 2, 16)
     conv.base_kernel = mx.array(rng.normal(size=(2, 2, 32)), dtype=mx.float32)

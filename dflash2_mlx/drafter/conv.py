@@ -31,7 +31,7 @@ def _shift(x: mx.array, o: int) -> mx.array:
 
 
 def grouped_dynamic_conv(x: mx.array, dyn: mx.array, base: mx.array, group_size: int) -> mx.array:
-    """Apply one grouped dynamic causal convolution.
+    """Apply one grouped dynamic causal convolution (computed in fp32, returned in x's dtype).
 
     Shapes:
         x:    [..., L, H]
@@ -41,13 +41,14 @@ def grouped_dynamic_conv(x: mx.array, dyn: mx.array, base: mx.array, group_size:
     """
     *lead, L, H = x.shape
     n_groups = H // group_size
+    # Accumulate in fp32 and round once: in bf16, base + dyn rounds the small dynamic term away.
+    x32, dyn32 = x.astype(mx.float32), dyn.astype(mx.float32)
     out = None
     for o in range(base.shape[0]):
-        v = _shift(x, o).reshape(*lead, L, n_groups, group_size)
-        coeff = base[o].astype(x.dtype).reshape(n_groups, group_size) + dyn[..., o, :, None]
-        term = coeff * v
+        v = _shift(x32, o).reshape(*lead, L, n_groups, group_size)
+        term = base[o].astype(mx.float32).reshape(n_groups, group_size) * v + dyn32[..., o, :, None] * v
         out = term if out is None else out + term
-    return out.reshape(x.shape)
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 class GroupedDynamicCausalConv(nn.Module):
