@@ -152,11 +152,17 @@ def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: in
         raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
 
 
-def _prefill(run: _Run, ids: list[int], step: int) -> mx.array:
-    """Feed the prompt in chunks; return the logits of its last position [1, 1, V]."""
+def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None) -> mx.array | None:
+    """Feed the prompt in chunks; return the logits of its last position [1, 1, V].
+
+    `on_prefill(n_done, n_total)` runs after each chunk; a False return stops the prefill
+    (None is returned), so a long prompt can be cancelled between chunks.
+    """
     limit = run.drafter.config.context_limit if run.drafter is not None else None
     logits = None
     for start in range(0, len(ids), step):
+        if on_prefill is not None and on_prefill(start, len(ids)) is False:
+            return None
         chunk = mx.array([ids[start : start + step]])
         last = start + step >= len(ids)
         logits, hidden = run.target.forward(chunk, run.target_cache, run.taps, "last" if last else "none")
@@ -273,7 +279,9 @@ class _Stopper:
     def new_text(self, final: bool) -> str:
         if final:
             self.detok.finalize()
-            self.text += self.detok.last_segment
+            # A reply cut mid-character (max_tokens) leaves incomplete UTF-8, which finalize
+            # decodes as U+FFFD; those bytes are never a character, so they are dropped.
+            self.text += self.detok.last_segment.rstrip("\ufffd")
             self._hit_stop()
         # Hold back a tail that could still become a stop string.
         hold = 0 if final else max((len(s) - 1 for s in self.stop), default=0)
@@ -285,7 +293,7 @@ class _Stopper:
 def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKENS,
                     sampling: SamplingParams | None = None, block_size: int | None = None,
                     stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                    block_policy=None, kv_bits: int | None = None):
+                    block_policy=None, kv_bits: int | None = None, on_prefill=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -301,6 +309,8 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             `next_width(max_width) -> int` (1 = a plain decoding step) and
             `observe(cycle: CycleStats)`; `block_size` is then the largest width.
         kv_bits: quantize the target's full-attention KV cache to 4 or 8 bits.
+        on_prefill: optional `(n_done, n_total) -> bool | None`, called before each prompt
+            chunk; returning False cancels: the generator ends without yielding anything.
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
@@ -317,7 +327,9 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     mx.reset_peak_memory()
     tic = time.perf_counter()
-    logits = _prefill(run, ids, prefill_step_size)
+    logits = _prefill(run, ids, prefill_step_size, on_prefill)
+    if logits is None:
+        return
     first = int(_choose(run, logits[0], [], run.next_key()).item())
     prompt_tps = len(ids) / (time.perf_counter() - tic)
     tic = time.perf_counter()

@@ -91,12 +91,13 @@ class Session:
         return self.block_size or self.drafter.config.block_size, None
 
     def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),
-               system: str | None = None, raw: bool = False, think: bool | None = None):
+               system: str | None = None, raw: bool = False, think: bool | None = None, **engine):
+        """Engine events for a prompt; `engine` passes on to `stream_generate` (e.g. `on_prefill`)."""
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, system=system, raw=raw, think=think)
         width, policy = self._width_and_policy()
         return stream_generate(self.target, self.drafter, ids, max_tokens=max_tokens, sampling=sampling,
-                               block_size=width, stop=stop, block_policy=policy)
+                               block_size=width, stop=stop, block_policy=policy, **engine)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),
                  on_text: Callable[[str], None] | None = None, **template) -> GenerationResult:

@@ -1,0 +1,54 @@
+"""Engine hooks the server relies on: a cancellable chunked prefill, and no U+FFFD at a cut."""
+
+from dflash2_mlx import generate, stream_generate
+from tiny import tiny_drafter, tiny_target
+
+PROMPT = [1, 40, 41, 42, 7, 19, 33, 60, 61, 5, 8]
+
+
+def test_on_prefill_sees_every_chunk_and_keeps_the_output():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    calls = []
+    hooked = generate(target, drafter, PROMPT, max_tokens=12, prefill_step_size=4,
+                      on_prefill=lambda done, total: calls.append((done, total)))
+    assert calls == [(0, 11), (4, 11), (8, 11)]
+    assert hooked.tokens == generate(target, drafter, PROMPT, max_tokens=12).tokens
+
+
+def test_on_prefill_false_cancels_before_any_token():
+    target = tiny_target("llama")
+    calls = []
+
+    def stop_at_second_chunk(done, total):
+        calls.append(done)
+        return done < 4
+
+    events = list(stream_generate(target, None, PROMPT, max_tokens=8, prefill_step_size=4,
+                                  on_prefill=stop_at_second_chunk))
+    assert events == [] and calls == [0, 4]
+
+
+def _byte_fallback_tokenizer():
+    """Letters plus the two bytes of 'é' (C3 A9) as byte-fallback tokens."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "a": 2, "b": 3, "<0xC3>": 4, "<0xA9>": 5}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    return TokenizerWrapper(PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>"))
+
+
+def test_a_cut_mid_character_emits_no_replacement_character():
+    from dflash2_mlx.engine import _Stopper
+
+    tok = _byte_fallback_tokenizer()
+    whole = _Stopper(tok, {1}, [], max_tokens=10)
+    whole.feed([2, 4, 5, 3])
+    assert whole.new_text(final=True) == "aéb"  # a complete 'é' decodes as itself
+    cut = _Stopper(tok, {1}, [], max_tokens=2)
+    kept, finish = cut.feed([2, 4, 5, 3])
+    assert (kept, finish) == ([2, 4], "length")
+    assert cut.new_text(final=True) == "a"
