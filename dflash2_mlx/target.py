@@ -181,16 +181,23 @@ class Target:
         )
 
     def _measure_embed_scale(self, tokens: mx.array, layer0_input: mx.array) -> float | None:
+        """The scale s with layer0_input == embed_tokens(x) * s, up to the model's own rounding."""
         raw = self.inner.embed_tokens(tokens).astype(mx.float32)
         seen = layer0_input.astype(mx.float32)
+        # The model rounds raw * s to its dtype (2^-9 relative in bf16): allow one eps of it.
+        rtol = max(1e-3, float(mx.finfo(layer0_input.dtype).eps))
+        bound = 1e-5 + rtol * mx.abs(seen)
+
+        def error(scale: float) -> float:
+            return (mx.abs(raw * scale - seen) / bound).max().item()
+
         hidden = raw.shape[-1]
-        for scale in (1.0, hidden**0.5, float(mx.array(hidden**0.5, mx.bfloat16).item())):
-            if mx.allclose(raw * scale, seen, rtol=1e-3, atol=1e-5).item():
-                return scale
+        named = (1.0, hidden**0.5, float(mx.array(hidden**0.5, mx.bfloat16).item()))
+        best = min(named, key=error)  # the closest, since in bf16 sqrt(H) and bf16(sqrt(H)) may both fit
+        if error(best) <= 1.0:
+            return best
         fitted = (mx.sum(raw * seen) / mx.maximum(mx.sum(raw * raw), 1e-30)).item()
-        if mx.allclose(raw * fitted, seen, rtol=1e-3, atol=1e-5).item():
-            return fitted
-        return None
+        return fitted if error(fitted) <= 1.0 else None
 
     # -- facts ----------------------------------------------------------------------
 

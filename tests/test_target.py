@@ -53,6 +53,20 @@ def test_embedding_scale_is_measured():
     assert tiny_target("llama").info.embed_scale == 1.0
 
 
+@pytest.mark.parametrize("hidden", [72, 1152])
+def test_embedding_scale_is_measured_in_bf16_when_sqrt_hidden_is_inexact(hidden):
+    # Gemma scales by bf16(sqrt(H)) and rounds the product to bf16; the probe must allow that.
+    model = tiny_model("gemma3_text", hidden_size=hidden)
+    model.set_dtype(mx.bfloat16)
+    target = Target(model, TinyTokenizer.make())
+    scale = mx.array(hidden**0.5, mx.bfloat16)
+    assert target.info.embed_scale == pytest.approx(scale.item())
+    tokens = mx.array([_ids(5)])
+    expected = target.inner.embed_tokens(tokens) * scale.astype(mx.bfloat16)
+    np.testing.assert_array_equal(np.array(target.embed(tokens).astype(mx.float32)),
+                                  np.array(expected.astype(mx.float32)))
+
+
 def test_tied_and_untied_heads():
     tied = tiny_target("gemma3_text")
     assert "lm_head" not in tied.model
