@@ -4,7 +4,7 @@
 // function reads one lattice row S_t(prev, .) held in thread memory and returns the
 // index of the next candidate. Both mirror the MLX-ops twins in drafter/selector.py:
 // argmax_row == mx.argmax (first index on ties); sample_row == softmax(row / T) then
-// inverse CDF: min(#{c : cdf_c <= u}, K - 1).
+// inverse CDF: min(#{c : cdf_c <= u}, last c with q_c > 0).
 
 // First index of the largest score: strict '>' keeps the earliest of tied maxima.
 template <int K>
@@ -34,10 +34,13 @@ inline int sample_row(thread const float* row, float temperature, float u, threa
   const float norm = 1.0f / total;
   float cdf = 0.0f;
   int below = 0;
+  int last = 0;
   for (int c = 0; c < K; ++c) {
     q[c] *= norm;
     cdf += q[c];
     below += cdf <= u ? 1 : 0;
+    last = q[c] > 0.0f ? c : last;
   }
-  return metal::min(below, K - 1);
+  // Rounding can leave the cdf's end <= u: never fall through to a candidate with q = 0.
+  return metal::min(below, last);
 }

@@ -162,6 +162,40 @@ def test_select_kernel_has_the_ops_contract(emu_kernel):
         lattice_ops(**{k: v for k, v in inputs.items() if k != "uniforms"})).tolist()
 
 
+# Rows whose float32 cdf ends just below 1 (0.99999994) while the last candidate has q = 0.
+ZERO_TAIL_ROWS = [[-1.2654215, -0.6232744, 0.041325979, -1e4], [1.4934311, -1.2590655, 1.5139238, -1e4],
+                  [0.16100958, -0.58552885, -1.3412197, -1e4], [0.69417197, -0.75836974, 1.420982, -1e4]]
+
+
+def zero_tail_inputs() -> dict:
+    """One-step walks (gate 0, so the lattice row is the unary row) with u = the largest float < 1."""
+    B, K = len(ZERO_TAIL_ROWS), 4
+    return dict(candidates=mx.arange(B * K, dtype=mx.int32).reshape(B, 1, K),
+                unary=mx.array(ZERO_TAIL_ROWS, dtype=mx.float32)[:, None], gate=mx.zeros((B, 1, 8)),
+                pred_codebook=mx.ones((B * K, 8)), succ_codebook=mx.ones((B * K, 8)),
+                anchor=mx.zeros((B,), dtype=mx.int32),
+                uniforms=mx.full((B, 1), float(np.nextafter(np.float32(1), np.float32(0)))))
+
+
+def assert_picks_have_mass(idx, q, inputs):
+    cdf_end = mx.cumsum(q, axis=-1)[..., -1]
+    assert bool((cdf_end <= inputs["uniforms"]).any()), "the crafted rows no longer reach the clamp"
+    picked = mx.take_along_axis(q, idx[..., None], axis=-1)[..., 0]
+    assert bool((picked > 0).all()), f"picked {idx.tolist()} with q {picked.tolist()}"
+
+
+def test_sampled_walk_ops_never_picks_a_zero_mass_candidate():
+    inputs = zero_tail_inputs()
+    lattice = lattice_ops(**{k: v for k, v in inputs.items() if k != "uniforms"})
+    assert_picks_have_mass(*sampled_walk_ops(lattice, 1.0, inputs["uniforms"]), inputs)
+
+
+@needs_gxx
+def test_emulated_kernel_never_picks_a_zero_mass_candidate(emu_kernel):
+    inputs = zero_tail_inputs()
+    assert_picks_have_mass(*ksel.select_kernel(temperature=1.0, kernel=emu_kernel, **inputs), inputs)
+
+
 # Each mutant changes one line of the real source; the parity check must catch every one.
 MUTANTS = {
     "tie-break keeps the last maximum": (ksel.HEADER_FILE, "if (row[c] > row[best])", "if (row[c] >= row[best])"),
@@ -337,6 +371,13 @@ def test_metal_kernel_matches_ops_twin(on_gpu, case):
     inputs = make_inputs(case)
     outputs = run_kernel(None, case, inputs)
     assert parity_failures(case, inputs, outputs) == []
+
+
+@pytest.mark.metal
+@needs_metal
+def test_metal_kernel_never_picks_a_zero_mass_candidate(on_gpu):
+    inputs = zero_tail_inputs()
+    assert_picks_have_mass(*ksel.select_kernel(temperature=1.0, **inputs), inputs)
 
 
 @pytest.mark.metal

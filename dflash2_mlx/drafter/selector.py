@@ -9,8 +9,9 @@ A, B are the [V, r] predecessor/successor codebooks, G the [r, H] hidden project
 predecessors of position t are the k candidates of t-1 (the anchor token for t = 0), so all
 scores form one lattice [B, L, k, k] computed in a single batched matmul; the walk then
 only gathers. Greedy: argmax chain. Sampling: at each step draw from softmax(S_t(pred,.)/T)
-by inverse CDF of a pre-drawn uniform; that row is q_t for rejection sampling, and it is
-conditional on the sampled predecessor, which keeps the sequential p/q test exact.
+by inverse CDF of a pre-drawn uniform (clamped to the last candidate with q > 0); that row
+is q_t for rejection sampling, and it is conditional on the sampled predecessor, which keeps
+the sequential p/q test exact.
 
 `lattice_ops`, `greedy_walk_ops`, `sampled_walk_ops` are the pure-MLX twins of the fused
 Metal kernels (`kernels/selector.py`); `select` dispatches between them.
@@ -102,7 +103,9 @@ def sampled_walk_ops(lattice: mx.array, temperature: float, uniforms: mx.array) 
         row = mx.take_along_axis(lattice[:, t], idx[:, None, None], axis=1)[:, 0]
         q = mx.softmax(row / temperature, axis=-1, precise=True)
         cdf = mx.cumsum(q, axis=-1)
-        idx = mx.minimum(mx.sum(cdf <= uniforms[:, t : t + 1], axis=-1), k - 1).astype(mx.int32)
+        # Rounding can leave cdf[-1] <= u: clamp to the last candidate with mass, never to a q = 0 one.
+        last = mx.max(mx.where(q > 0, mx.arange(k), 0), axis=-1)
+        idx = mx.minimum(mx.sum(cdf <= uniforms[:, t : t + 1], axis=-1), last).astype(mx.int32)
         path.append(idx)
         q_rows.append(q)
     return mx.stack(path, axis=1), mx.stack(q_rows, axis=1)

@@ -49,7 +49,7 @@ def sampled_walk(lat, temperature, uniforms):
         q = np.exp(row - row.max())
         q /= q.sum()
         cdf = np.cumsum(q)
-        idx = min(int(np.sum(cdf <= uniforms[t])), len(q) - 1)
+        idx = min(int(np.sum(cdf <= uniforms[t])), int(np.flatnonzero(q > 0)[-1]))
         path.append(idx)
         qs.append(q)
     return path, np.array(qs)
