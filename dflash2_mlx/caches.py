@@ -1,7 +1,7 @@
 """Caches that speculative decoding can roll back exactly.
 
 mlx-lm's caches assume one token per step or a prompt; speculation feeds a block of
-`width` tokens and then keeps only a prefix of it. Two cache kinds need help:
+`width` tokens and then keeps only a prefix of it. Three cache kinds need help:
 
 * `RotatingKVCache` (sliding-window layers) grows past its window under multi-token
   updates (mlx-lm #1914) and cannot be trimmed once the ring wraps. `WindowKVCache`
@@ -10,6 +10,8 @@ mlx-lm's caches assume one token per step or a prompt; speculation feeds a block
 * `ArraysCache` (GatedDeltaNet, Mamba, ...) holds recurrent state that cannot be trimmed.
   `RecurrentCache` adds a checkpoint taken before a verify pass and a tape the layer
   wrappers in `recurrent.py` fill, so the state after any prefix can be rebuilt.
+* `ConcatenateKVCache` claims to be trimmable, but `trim` only lowers its offset and the
+  next update appends after the dropped rows. `KVCache` (same contract) replaces it.
 
 Invariant for both: after `trim`/rollback the cache equals, up to float rounding of the
 batched computation, the cache of a model that was only ever fed the kept tokens.
@@ -147,7 +149,14 @@ class RecurrentCache(ArraysCache):
         self.cache = list(self.checkpoint)
 
 
-TRIMMABLE_KINDS = (KVCache, QuantizedKVCache, ConcatenateKVCache, WindowKVCache)
+TRIMMABLE_KINDS = (KVCache, QuantizedKVCache, WindowKVCache)
+
+
+def _as_kv_cache(c: ConcatenateKVCache) -> KVCache:
+    kv = KVCache()
+    if c.keys is not None:
+        kv.keys, kv.values, kv.offset = c.keys, c.values, c.offset
+    return kv
 
 
 def adapt_cache(cache: list, reserve: int) -> list:
@@ -164,6 +173,8 @@ def adapt_cache(cache: list, reserve: int) -> list:
             adapted.append(WindowKVCache(c.max_size, reserve))
         elif type(c) is ArraysCache:
             adapted.append(RecurrentCache(len(c.cache)))
+        elif type(c) is ConcatenateKVCache:
+            adapted.append(_as_kv_cache(c))
         elif isinstance(c, TRIMMABLE_KINDS):
             adapted.append(c)
         else:

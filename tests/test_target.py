@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, RotatingKVCache
 
 from dflash2_mlx.caches import RecurrentCache, WindowKVCache, adapt_cache
 from dflash2_mlx.errors import UnsupportedCacheError
@@ -158,6 +158,15 @@ def test_unrollbackable_caches_are_refused_up_front():
         adapt_cache([KVCache(), ChunkedKVCache(8), RotatingKVCache(16, keep=4)], reserve=4)
     adapted = adapt_cache([KVCache(), RotatingKVCache(16)], reserve=4)
     assert isinstance(adapted[1], WindowKVCache) and adapted[1].window == 16
+
+
+def test_rollback_is_exact_for_a_model_with_concatenate_caches():
+    # ConcatenateKVCache.trim only lowers its offset; the next update appended after stale rows.
+    model = tiny_model("llama")
+    model.make_cache = lambda: [ConcatenateKVCache() for _ in model.layers]
+    target = Target(model, TinyTokenizer.make())
+    rolled, expect = _rollback_case(target, _ids(9), _ids(6, seed=7), keep=2)
+    np.testing.assert_allclose(rolled, expect, rtol=1e-4, atol=1e-4)
 
 
 def test_target_refuses_model_with_unsupported_cache():
