@@ -32,11 +32,12 @@ _PROBE_IDS = (1, 17, 42, 99, 7, 3)
 class _TapSink:
     """Where armed taps write layer outputs during one forward call."""
 
-    def __init__(self):
+    def __init__(self, fast_replay: bool):
         self.wanted: frozenset[int] = frozenset()
         self.outputs: dict[int, mx.array] = {}
         self.layer0_input: mx.array | None = None
         self.want_input = False
+        self.fast_replay = fast_replay  # how the recurrent layers under these taps were wrapped
 
 
 class HiddenTap(_Wrapper):
@@ -131,7 +132,7 @@ class Target:
         self.path = path
         self.inner = _inner_model(model)
         self.args = _model_args(model)
-        self._sink = _TapSink()
+        self._sink = _TapSink(fast_recurrent_replay)
         self._head = _resolve_head(model, self.inner)
         self._transform = _logit_transform(self.args)
         self._replayers: dict[int, nn.Module] = {}
@@ -143,10 +144,24 @@ class Target:
     def _wrap_layers(self, fast_replay: bool) -> None:
         layers = self.inner.layers
         kinds = self._base_cache()
+        if layers and isinstance(layers[0], HiddenTap):
+            return self._share_wrapping(kinds, fast_replay)
         for i, layer in enumerate(layers):
             if type(kinds[i]).__name__ == "ArraysCache":
                 layer, self._replayers[i] = install_replay(layer, fast=fast_replay)
             layers[i] = HiddenTap(layer, i, self._sink)
+
+    def _share_wrapping(self, kinds: list, fast_replay: bool) -> None:
+        # Another Target wrapped this model: wrapping its taps again would hide the mixers
+        # (generic replay only), so share its taps and replayers instead.
+        layers = self.inner.layers
+        self._sink = layers[0].sink
+        recurrent = [i for i, c in enumerate(kinds) if type(c).__name__ == "ArraysCache"]
+        if recurrent and self._sink.fast_replay != fast_replay:
+            raise ConfigError(f"this model already has a Target with fast_recurrent_replay={self._sink.fast_replay}; "
+                              f"a second one cannot use {fast_replay}")
+        for i in recurrent:
+            _, self._replayers[i] = install_replay(layers[i].inner, fast=fast_replay)
 
     def _base_cache(self) -> list:
         if hasattr(self.model, "make_cache"):

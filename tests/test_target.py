@@ -6,8 +6,8 @@ import pytest
 from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, RotatingKVCache
 
 from dflash2_mlx.caches import RecurrentCache, WindowKVCache, adapt_cache
-from dflash2_mlx.errors import UnsupportedCacheError
-from dflash2_mlx.target import Target
+from dflash2_mlx.errors import ConfigError, UnsupportedCacheError
+from dflash2_mlx.target import HiddenTap, Target
 from tiny import FAMILIES, TinyTokenizer, tiny_model, tiny_target
 
 rng = np.random.default_rng(2)
@@ -118,6 +118,22 @@ def test_gated_delta_fast_replay_equals_generic_replay():
             if isinstance(c_fast, RecurrentCache):
                 for a, b in zip(c_fast.cache, c_gen.cache):
                     np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-5, atol=1e-6)
+
+
+def test_second_target_on_one_model_keeps_the_fast_replay_and_the_first_target_works():
+    model = tiny_model("qwen3_5")
+    first = Target(model, TinyTokenizer.make())
+    second = Target(model, TinyTokenizer.make())
+    # Wrapping the first Target's taps again hid the mixers and installed the generic replay.
+    assert {type(r).__name__ for r in second._replayers.values()} == {"GatedDeltaReplay"}
+    assert not any(isinstance(layer.inner, HiddenTap) for layer in model.language_model.model.layers)
+    for target in (first, second):
+        _, hidden = target.forward(mx.array([_ids(4)]), target.make_cache(), taps=(1, 3))
+        assert hidden.shape == (1, 4, 2 * 64)
+        rolled, expect = _rollback_case(target, _ids(9), _ids(5, seed=4), keep=2)
+        np.testing.assert_allclose(rolled, expect, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="fast_recurrent_replay"):
+        Target(model, TinyTokenizer.make(), fast_recurrent_replay=False)
 
 
 def test_window_cache_attends_exactly_the_window_across_wraps():
