@@ -348,11 +348,24 @@ class Target:
                     raise RuntimeError(f"layer {i}: trimmed {trimmed} of {drop} tokens")
 
 
+def _cast(model: nn.Module, dtype) -> None:
+    # Families keep some parameters in fp32 (qwen3_5's A_log); mlx-lm's convert honours this too.
+    from mlx.utils import tree_map_with_path
+
+    keep = getattr(model, "cast_predicate", lambda _: True)
+
+    def cast(path: str, v: mx.array) -> mx.array:
+        return v.astype(dtype) if keep(path) and mx.issubdtype(v.dtype, mx.floating) else v
+
+    model.update(tree_map_with_path(cast, model.parameters()))
+
+
 def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_replay: bool = True) -> Target:
     """Load an mlx-lm model directory or Hugging Face repo as a `Target`.
 
     Args:
-        dtype: cast floating weights ("float32", "bfloat16", "float16"); None keeps them.
+        dtype: cast floating weights ("float32", "bfloat16", "float16") except those the
+            family keeps (its `cast_predicate`, as mlx-lm's convert does); None keeps them.
     """
     from mlx_lm import load
 
@@ -360,5 +373,5 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
     if dtype is not None:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
-        model.set_dtype(getattr(mx, dtype))
+        _cast(model, getattr(mx, dtype))
     return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay)

@@ -67,6 +67,20 @@ def test_embedding_scale_is_measured_in_bf16_when_sqrt_hidden_is_inexact(hidden)
                                   np.array(expected.astype(mx.float32)))
 
 
+def test_load_target_dtype_keeps_what_the_family_keeps_in_fp32(tmp_path):
+    from mlx.utils import tree_flatten
+
+    from dflash2_mlx.target import load_target
+    from tiny import save_tiny_pair
+
+    target_dir, _ = save_tiny_pair(tmp_path, family="qwen3_5")
+    target = load_target(target_dir, dtype="bfloat16")
+    dtypes = {k: v.dtype for k, v in tree_flatten(target.model.parameters())}
+    kept = {k for k in dtypes if k.endswith("A_log")}  # qwen3_5's cast_predicate excludes A_log
+    assert kept and all(dtypes[k] == mx.float32 for k in kept)
+    assert all(d == mx.bfloat16 for k, d in dtypes.items() if k not in kept)
+
+
 def test_tied_and_untied_heads():
     tied = tiny_target("gemma3_text")
     assert "lm_head" not in tied.model
