@@ -244,6 +244,12 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0, t2 - t1)
 
 
+def _find_stop(text: str, stop: list[str], start: int) -> int:
+    """Earliest index of a stop string in `text` that ends after `start`, or -1."""
+    hits = (text.find(s, max(0, start - len(s) + 1)) for s in stop)
+    return min((i for i in hits if i >= 0), default=-1)
+
+
 class _Stopper:
     """Cuts the emitted stream at EOS, stop strings and max_tokens; builds the text."""
 
@@ -251,7 +257,7 @@ class _Stopper:
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.eos, self.stop, self.max_tokens = eos, [s for s in stop if s], max_tokens
-        self.text, self.tokens, self.sent = "", [], 0
+        self.text, self.tokens, self.sent, self.searched = "", [], 0, 0
 
     def feed(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """Accept tokens; return (kept tokens, finish reason or None)."""
@@ -270,7 +276,9 @@ class _Stopper:
         return kept, None
 
     def _hit_stop(self) -> bool:
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
+        # The text before `searched` held no match, so only one ending after it can be new.
+        cut = _find_stop(self.text, self.stop, self.searched)
+        self.searched = len(self.text)
         if cut >= 0:
             self.text = self.text[:cut]
             return True

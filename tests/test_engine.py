@@ -162,3 +162,37 @@ def test_quantized_kv_cache_rolls_back_exactly():
         generate(target, None, PROMPT, kv_bits=3)
     with pytest.raises(ConfigError, match="multiple of 32, got 16"):
         generate(tiny_target("llama"), None, PROMPT, kv_bits=8)
+
+
+def _naive_stop(text, stops):
+    return min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+
+
+@pytest.mark.parametrize("stops", [["lo w"], ["xyz", "o w", "ld"], ["d!", "zz"], ["w"], ["nope"]])
+def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch, stops):
+    from dflash2_mlx import engine
+    from tiny import TinyTokenizer
+
+    window = []
+    find = engine._find_stop
+
+    def spy(text, stop, start):
+        window.append(len(text) - start)
+        return find(text, stop, start)
+
+    monkeypatch.setattr(engine, "_find_stop", spy)
+    tok = TinyTokenizer.make()
+    text = "hello world, hello world!"
+    ids = tok.encode(text, add_special_tokens=False)  # one token per character: stops span tokens
+    stopper = engine._Stopper(tok, set(), stops, max_tokens=1000)
+    kept, finish, pos = [], None, 0
+    for size in [1, 3, 2, 5, 1, 4] * 5:  # chunks like the cycles of speculative decoding
+        got, finish = stopper.feed(ids[pos : pos + size])
+        kept, pos = kept + got, pos + size
+        if finish or pos >= len(ids):
+            break
+    cut = _naive_stop(text, stops)
+    n_keep = next((k for k in range(1, len(ids) + 1) if _naive_stop(tok.decode(ids[:k]), stops) >= 0), len(ids))
+    assert (stopper.text, kept, finish) == (text if cut < 0 else text[:cut], ids[:n_keep],
+                                            "stop" if cut >= 0 else None)
+    assert window and max(window) <= 1  # the text added since the last search: one character
