@@ -16,6 +16,7 @@ A proposed token equal to the drafter's mask id is an ordinary token.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFILL_STEP = 2048
+CLEAR_CACHE_EVERY = 64  # cycles (about mlx-lm's 256 tokens at 4 tokens per cycle)
 
 
 @dataclass
@@ -115,6 +117,15 @@ class _Run:
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+def _wired_limit(model):
+    """mlx-lm's context that raises the wired-memory limit for a generation (no-op without Metal)."""
+    try:
+        from mlx_lm.generate import wired_limit
+    except ImportError:  # an mlx-lm without it: nothing to wire
+        return contextlib.nullcontext()
+    return wired_limit(model)
 
 
 def peak_memory_gb() -> float:
@@ -333,33 +344,39 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         history=list(ids), processors=make_processors(params),
     )
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
-    mx.reset_peak_memory()
-    tic = time.perf_counter()
-    logits = _prefill(run, ids, prefill_step_size, on_prefill)
-    if logits is None:
-        return
-    first = int(_choose(run, logits[0], [], run.next_key()).item())
-    prompt_tps = len(ids) / (time.perf_counter() - tic)
-    tic = time.perf_counter()
+    # Wire the weights (Metal) for the whole generation; a no-op elsewhere.
+    with _wired_limit(target.model):
+        mx.reset_peak_memory()
+        tic = time.perf_counter()
+        logits = _prefill(run, ids, prefill_step_size, on_prefill)
+        if logits is None:
+            return
+        first = int(_choose(run, logits[0], [], run.next_key()).item())
+        prompt_tps = len(ids) / (time.perf_counter() - tic)
+        tic = time.perf_counter()
 
-    def event(tokens, cycle, finish):
-        n = len(stopper.tokens)
-        return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
-                               prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
-                               peak_memory_gb())
+        def event(tokens, cycle, finish):
+            n = len(stopper.tokens)
+            return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
+                                   prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
+                                   peak_memory_gb())
 
-    kept, finish = stopper.feed([first])
-    run.history.append(first)
-    yield event(kept, None, finish)
-    while finish is None:
-        cap = min(width, max_tokens - len(stopper.tokens))  # never draft past max_tokens
-        w = min(block_policy.next_width(cap), cap) if block_policy is not None else cap
-        emitted, cycle = _step_speculative(run, w) if drafter is not None and w >= 2 else _step_plain(run)
-        if block_policy is not None:
-            block_policy.observe(cycle)
-        kept, finish = stopper.feed(emitted)
-        run.history.extend(emitted)
-        yield event(kept, cycle, finish)
+        kept, finish = stopper.feed([first])
+        run.history.append(first)
+        yield event(kept, None, finish)
+        n_cycles = 0
+        while finish is None:
+            cap = min(width, max_tokens - len(stopper.tokens))  # never draft past max_tokens
+            w = min(block_policy.next_width(cap), cap) if block_policy is not None else cap
+            emitted, cycle = _step_speculative(run, w) if drafter is not None and w >= 2 else _step_plain(run)
+            if block_policy is not None:
+                block_policy.observe(cycle)
+            kept, finish = stopper.feed(emitted)
+            run.history.extend(emitted)
+            n_cycles += 1
+            if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
+                mx.clear_cache()
+            yield event(kept, cycle, finish)
 
 
 def collect(events, on_text=None) -> GenerationResult:

@@ -196,3 +196,32 @@ def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch
     assert (stopper.text, kept, finish) == (text if cut < 0 else text[:cut], ids[:n_keep],
                                             "stop" if cut >= 0 else None)
     assert window and max(window) <= 1  # the text added since the last search: one character
+
+
+def test_generation_runs_inside_the_wired_limit_and_clears_the_cache_unchanged(monkeypatch):
+    from contextlib import contextmanager
+
+    from dflash2_mlx import engine
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    monkeypatch.setattr(engine, "CLEAR_CACHE_EVERY", 10**9)
+    baseline = generate(target, drafter, PROMPT, max_tokens=40)
+    log, cleared, clear = [], [], mx.clear_cache
+
+    @contextmanager
+    def wired(model):
+        log.append(("enter", model))
+        yield
+        log.append("exit")
+
+    monkeypatch.setattr(engine, "_wired_limit", wired)
+    monkeypatch.setattr(engine, "CLEAR_CACHE_EVERY", 2)
+    monkeypatch.setattr(mx, "clear_cache", lambda: (cleared.append(1), clear())[1])
+    events = stream_generate(target, drafter, PROMPT, max_tokens=40)
+    first = next(events)
+    assert log == [("enter", target.model)]  # entered before the prefill, still held
+    result = engine.collect([first, *events])
+    assert log == [("enter", target.model), "exit"]
+    assert result.tokens == baseline.tokens and result.text == baseline.text
+    assert len(cleared) == len(result.cycles) // 2 > 0
