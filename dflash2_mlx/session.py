@@ -58,8 +58,10 @@ class Session:
 
     # -- prompts ------------------------------------------------------------------------
 
-    def encode(self, prompt, system: str | None = None, raw: bool = False, think: bool | None = None) -> list[int]:
-        """Token ids for a prompt string or a list of chat messages."""
+    def encode(self, prompt, system: str | None = None, raw: bool = False, think: bool | None = None,
+               template: dict | None = None) -> list[int]:
+        """Token ids for a prompt string or a list of chat messages; `template` holds more
+        chat-template variables (`think` is `enable_thinking`)."""
         tok = self.target.tokenizer
         if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
             bos = getattr(tok, "bos_token", None)
@@ -71,7 +73,9 @@ class Session:
             # No template (base models): a plain transcript, as mlx-lm's server does.
             text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
             return tok.encode(text)
-        kwargs = {} if think is None else {"enable_thinking": think}
+        kwargs = dict(template or {})
+        if think is not None:
+            kwargs["enable_thinking"] = think
         return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
 
     def sampling(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,

@@ -189,7 +189,7 @@ def test_ollama_tags_and_version(server):
     assert model["details"]["family"] == "llama" and model["details"]["parameter_size"].endswith("K")
     assert request(server.url, "GET", "/api/version", headers=AUTH).json()["version"]
     shown = request(server.url, "POST", "/api/show", {"model": "tiny-llama"}, AUTH).json()
-    assert shown["details"] == model["details"] and shown["model_info"]["llama.context_length"] == 256
+    assert shown["details"] == model["details"] and shown["model_info"]["llama.context_length"] == 4096
     assert "assistant:" in shown["template"]
     assert request(server.url, "POST", "/api/show", {"model": "other"}, AUTH).status == 404
     assert request(server.url, "HEAD", "/", headers=AUTH).status == 200

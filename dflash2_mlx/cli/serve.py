@@ -26,8 +26,11 @@ Examples:
 
   curl localhost:8000/api/generate -H 'Content-Type: application/json' -d '{"prompt": "Hi"}'
 
+  dflash2 serve --cors-origin http://localhost:3000   # a browser front-end on another port
+
   Routes: POST /v1/chat/completions, /v1/completions, /api/chat, /api/generate, /api/show;
-  GET /v1/models, /api/tags, /api/version, /health (no auth), /metrics (Prometheus).
+  GET /v1/models, /api/tags, /api/ps, /api/version, /health (no auth), /metrics (Prometheus),
+  /docs (API reference, works offline).
 """
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -60,6 +63,25 @@ def serve(
     shutdown_timeout: Annotated[float, typer.Option("--shutdown-timeout", min=0.0,
                                                     help="Seconds in-flight requests get to finish on "
                                                          "Ctrl-C / SIGTERM.")] = 10.0,
+    max_connections: Annotated[int, typer.Option("--max-connections", min=2,
+                                                 help="Open sockets at most; a new one closes the oldest idle "
+                                                      "one first, and gets 503 only when all hold live "
+                                                      "requests.")] = 256,
+    read_timeout: Annotated[float, typer.Option("--read-timeout", min=0.001,
+                                                help="Seconds a client has to send its request headers, and "
+                                                     "again its body (else 408 and the socket is closed).")] = 15.0,
+    allowed_host: Annotated[Optional[list[str]], typer.Option("--allowed-host", metavar="NAME",
+                                                              help="A Host header name to serve besides "
+                                                                   "localhost/127.0.0.1/::1 and the --host "
+                                                                   "address (DNS-rebinding guard); repeatable; "
+                                                                   "'*' allows any.")] = None,
+    cors_origin: Annotated[Optional[list[str]], typer.Option("--cors-origin", metavar="ORIGIN",
+                                                             help="A browser origin allowed by CORS, e.g. "
+                                                                  "http://localhost:3000; repeatable; '*' for "
+                                                                  "any. Default: none.")] = None,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=16,
+                                               help="Prompt tokens per prefill step; a client that leaves "
+                                                    "is noticed between steps.")] = 512,
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
@@ -72,11 +94,19 @@ def serve(
 
     config = ServerConfig(host=host, port=port, api_key=api_key, max_concurrency=max_concurrency,
                           max_tokens_cap=max_tokens_cap, max_prompt_tokens=max_prompt_tokens,
-                          default_temperature=temp, shutdown_timeout=shutdown_timeout, log_level=log_level)
+                          default_temperature=temp, shutdown_timeout=shutdown_timeout, log_level=log_level,
+                          max_connections=max_connections, read_timeout=read_timeout, prefill_chunk=prefill_chunk,
+                          allowed_hosts=tuple(allowed_host or ()), cors_origins=tuple(cors_origin or ()))
+    if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
+        typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "
+                   "shell history); set DFLASH2_API_KEY instead", err=True)
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out)
     if host not in LOOPBACK and api_key is None:
         typer.echo(f"warning: listening on {host} without --api-key; anyone who can reach it can use it", err=True)
+    if host in ("0.0.0.0", "::") and "*" not in config.allowed_hosts:
+        typer.echo("note: clients must send a Host header of a loopback name; add --allowed-host NAME for each "
+                   "name or address others use to reach this machine", err=True)
 
     def ready(url: str) -> None:
         if json_out:

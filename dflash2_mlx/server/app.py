@@ -1,80 +1,35 @@
-"""The FastAPI app over one open `Session`: routes, auth, body limit, error shapes.
+"""The FastAPI app over one open `Session`: routes, middleware, error shapes.
 
 `create_app(session, config)` wires the OpenAI routes (`openai_api.py`), the Ollama routes
-(`ollama.py`), /health, /metrics and /. The generation worker starts and stops with the
-app's lifespan; all MLX work happens on it.
+(`ollama.py`), /health, /metrics, / and /docs (Swagger UI served from the fastapi-offline
+package, so it works without internet), behind `Guard` (Host, drain, auth, body limits) and,
+when origins are configured, CORS. The generation worker starts and stops with the app's
+lifespan; all MLX work happens on it.
 """
 
 from __future__ import annotations
 
-import secrets
 from contextlib import asynccontextmanager
 
 import anyio
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi_offline import FastAPIOffline
 
 from .._version import __version__
 from . import errors, ollama, openai_api
 from .config import ServerConfig
-from .dispatch import ServerState, StateDep, make_state
-from .errors import APIError, error_response
-
-PUBLIC_PATHS = frozenset({"/health"})
-
-
-class Guard:
-    """ASGI middleware: bearer auth (all routes but /health), body size limit, response counts."""
-
-    def __init__(self, app, state: ServerState):
-        self.app, self.state = app, state
-        key = state.config.api_key
-        self.expected = f"Bearer {key}".encode() if key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, status = scope["path"], []
-
-        async def counted_send(message):
-            if message["type"] == "http.response.start":
-                status.append(message["status"])
-            await send(message)
-
-        try:
-            refusal = self._refuse(scope)
-            if refusal is not None:
-                return await error_response(path, refusal)(scope, receive, counted_send)
-            await self.app(scope, receive, counted_send)
-        except Exception:
-            status.append(500)  # answered by the outermost error middleware, after us
-            raise
-        finally:
-            if status:
-                self.state.metrics.response(path, status[0])
-
-    def _refuse(self, scope) -> APIError | None:
-        headers = dict(scope.get("headers") or [])
-        if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
-            given = headers.get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
-                why = "missing Authorization header" if not given else "invalid API key"
-                return APIError(401, f"{why}; send 'Authorization: Bearer <key>'", "invalid_api_key",
-                                headers={"WWW-Authenticate": "Bearer"})
-        size = headers.get(b"content-length")
-        limit = self.state.config.max_body_bytes
-        if size is not None and (not size.isdigit() or int(size) > limit):
-            return APIError(413, f"request body of {size.decode(errors='replace')} bytes exceeds the limit of "
-                                 f"{limit} bytes", "request_too_large")
-        return None
-
+from .dispatch import StateDep, make_state
+from .guard import Guard
 
 def _error_responses() -> dict:
     schema = {"type": "object", "properties": {"error": {}}, "required": ["error"]}
     return {str(code): {"description": text, "content": {"application/json": {"schema": schema}}}
             for code, text in ((400, "Bad request"), (401, "Missing or invalid API key"),
-                               (404, "Unknown model or route"), (429, "Queue full; see Retry-After"),
-                               (503, "Shutting down"))}
+                               (403, "Host not allowed"), (404, "Unknown model or route"),
+                               (408, "Request body too slow"), (413, "Request body too large"),
+                               (429, "Queue full; see Retry-After"), (503, "Shutting down"))}
 
 
 def _bound_token_ids(schema, top: int) -> None:
@@ -144,21 +99,25 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
         finally:
             await anyio.to_thread.run_sync(state.worker.close)
 
-    app = FastAPI(title="dflash2", version=__version__, lifespan=lifespan,
-                  description="DFlash 2 speculative decoding on MLX: OpenAI- and Ollama-compatible API.")
+    app = FastAPIOffline(title="dflash2", version=__version__, lifespan=lifespan, redoc_url=None,
+                         description="DFlash 2 speculative decoding on MLX: OpenAI- and Ollama-compatible API.")
     app.state.dflash = state
     errors.install(app)
     app.add_middleware(Guard, state=state)
+    if config.cors_origins:  # outside Guard: preflights carry no credentials; errors get CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
     app.include_router(openai_api.router)
     app.include_router(ollama.router)
 
-    @app.get("/health", summary="Liveness and queue state (no auth)")
+    @app.api_route("/health", methods=["GET", "HEAD"], summary="Liveness and queue state (no auth)")
     async def health(state: StateDep):
         body = {"status": "ok" if state.worker.accepting else "shutting down", "model": state.model_name,
                 "busy": state.worker.busy, "queue_depth": state.worker.depth}
         return JSONResponse(body, status_code=200 if state.worker.accepting else 503)
 
-    @app.get("/metrics", summary="Prometheus metrics", response_class=PlainTextResponse)
+    @app.api_route("/metrics", methods=["GET", "HEAD"], summary="Prometheus metrics",
+                   response_class=PlainTextResponse)
     async def metrics(state: StateDep):
         state.metrics.queue_depth(state.worker.depth)
         return PlainTextResponse(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

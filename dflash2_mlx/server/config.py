@@ -14,6 +14,10 @@ DEFAULT_MAX_TOKENS = 512
 DEFAULT_MAX_PROMPT_TOKENS = 32768
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 DEFAULT_SHUTDOWN_TIMEOUT = 10.0
+DEFAULT_MAX_CONNECTIONS = 256
+DEFAULT_READ_TIMEOUT = 15.0
+DEFAULT_PREFILL_CHUNK = 512
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,13 @@ class ServerConfig:
         shutdown_timeout: seconds in-flight requests get to finish after Ctrl-C / SIGTERM
             before they are cancelled.
         log_level: uvicorn's log level.
+        max_connections: most open sockets; a new one first closes the oldest idle one, and
+            is refused with 503 only when every socket holds a live request.
+        read_timeout: seconds a client has to send a request's headers, and again its body.
+        allowed_hosts: Host header names accepted besides the loopback names (DNS-rebinding
+            guard); "*" accepts any.
+        cors_origins: browser origins allowed by CORS ("*" for any); none by default.
+        prefill_chunk: prompt tokens per prefill step; a cancel is seen between steps.
     """
 
     host: str = DEFAULT_HOST
@@ -47,6 +58,11 @@ class ServerConfig:
     default_temperature: float = 0.0
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     log_level: str = "info"
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -65,9 +81,23 @@ class ServerConfig:
             raise ConfigError(f"--temp must be >= 0, got {self.default_temperature}")
         if self.shutdown_timeout < 0:
             raise ConfigError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        if self.max_connections < 2:
+            raise ConfigError(f"--max-connections must be >= 2, got {self.max_connections}")
+        if not self.read_timeout > 0:
+            raise ConfigError(f"--read-timeout must be > 0 seconds, got {self.read_timeout}")
+        if self.prefill_chunk < 16:
+            raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ConfigError(f"--cors-origin must be '*' or start with http:// or https://, got {origin!r}")
         if self.api_key is not None and not self.api_key.strip():
             raise ConfigError("--api-key must not be empty")
 
     @property
     def max_tokens_default(self) -> int:
         return min(self.default_max_tokens, self.max_tokens_cap)
+
+    def host_names(self) -> frozenset[str]:
+        """Host header names served: loopback, the bound address unless a wildcard, and --allowed-host."""
+        bound = () if self.host in ("0.0.0.0", "::", "") else (self.host,)
+        return frozenset(h.lower().strip("[]") for h in (*LOOPBACK_HOSTS, *bound, *self.allowed_hosts))

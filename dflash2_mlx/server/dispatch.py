@@ -39,6 +39,7 @@ class ServerState:
     model_name: str
     aliases: frozenset[str]
     max_prompt_tokens: int
+    context_window: int = DEFAULT_MAX_PROMPT_TOKENS
     n_params: int = 0
     quantization: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
@@ -86,9 +87,10 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     drafter = getattr(session.spec, "drafter", None) if session.drafter is not None else None
     metrics = Metrics({"model": name, "drafter": str(drafter or "none"), "version": __version__})
     return ServerState(
-        session=session, config=config, worker=GenerationWorker(session, config.max_concurrency, metrics),
+        session=session, config=config, worker=GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk),
         metrics=metrics, model_name=name, aliases=frozenset({name, *extra_aliases}),
-        max_prompt_tokens=config.max_prompt_tokens or context_length(session),
+        max_prompt_tokens=min(config.max_prompt_tokens or context_length(session), context_length(session)),
+        context_window=context_length(session),
         n_params=n_params, quantization=quantization,
     )
 
@@ -151,6 +153,54 @@ def max_tokens(state: ServerState, *requested: int | None, name: str = "max_toke
     return value
 
 
+def fit_context(state: ServerState, n_prompt: int, n_max: int, explicit: bool, name: str = "max_tokens",
+                window: int | None = None) -> int:
+    """The output budget that fits the context window (prompt + output <= window).
+
+    As OpenAI and vLLM do: an explicit limit that cannot fit is refused with
+    `context_length_exceeded`; the server's default limit is clamped to the room left.
+    """
+    window = window or state.context_window
+    room = window - n_prompt
+    if n_max <= room:
+        return n_max
+    if explicit or room < 1:
+        asked = f"{name} asks for {n_max}" if explicit else "no room is left for output"
+        raise APIError(400, f"the context window is {window} tokens; the prompt has {n_prompt} and {asked} "
+                            f"({n_prompt} + {n_max} > {window}); shorten the prompt or lower {name}",
+                       "context_length_exceeded", name)
+    return room
+
+
+_RESERVED_TEMPLATE_KEYS = frozenset({"tokenize", "add_generation_prompt", "conversation", "messages", "return_dict",
+                                     "return_tensors", "tools", "documents", "chat_template",
+                                     "continue_final_message", "padding", "truncation", "max_length"})
+
+
+def template_kwargs(state: ServerState, think: bool | None = None, reasoning_effort: str | None = None,
+                    extra: dict | None = None, think_field: str = "think") -> dict:
+    """Chat-template variables for a request; a mode the model's template lacks → 400 naming it."""
+    template = getattr(state.session.target.tokenizer, "chat_template", None) or ""
+    template = template if isinstance(template, str) else " ".join(map(str, template))
+    kwargs = dict(extra or {})
+    reserved = sorted(set(kwargs) & _RESERVED_TEMPLATE_KEYS)
+    if reserved:
+        raise APIError(400, f"chat_template_kwargs may not set {', '.join(reserved)}; the server sets these itself",
+                       "invalid_value", "chat_template_kwargs")
+    if think is not None:
+        kwargs["enable_thinking"] = think
+    if kwargs.get("enable_thinking") is True and "enable_thinking" not in template:
+        raise APIError(400, f"{think_field}: {state.model_name!r} has no thinking mode (its chat template does not "
+                            "use enable_thinking)", "unsupported_parameter", think_field)
+    if reasoning_effort is not None:
+        if "reasoning_effort" not in template:
+            raise APIError(400, f"reasoning_effort: {state.model_name!r} has no reasoning-effort setting (its chat "
+                                "template does not use reasoning_effort)", "unsupported_parameter",
+                           "reasoning_effort")
+        kwargs["reasoning_effort"] = reasoning_effort
+    return kwargs
+
+
 def stop_list(stop) -> list[str]:
     if stop is None:
         return []
@@ -168,13 +218,13 @@ def sampling(state: ServerState, temperature=None, seed=None, **kwargs) -> Sampl
 
 
 async def encode(state: ServerState, prompt, raw: bool, system: str | None = None,
-                 think: bool | None = None) -> list[int]:
+                 template: dict | None = None) -> list[int]:
     """Token ids via `Session.encode`, off the event loop; template errors → 400."""
     from jinja2 import TemplateError
 
     def work():
         with state.encode_lock:  # fast tokenizers are not safe to share across threads
-            return state.session.encode(prompt, system=system, raw=raw, think=think)
+            return state.session.encode(prompt, system=system, raw=raw, template=template)
 
     try:
         ids = await anyio.to_thread.run_sync(work)

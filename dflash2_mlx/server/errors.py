@@ -49,20 +49,51 @@ def _short(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "null"})
+
+
+def _field_path(loc) -> str:
+    """The user's field path of a pydantic error location, cut where pydantic's own union
+    members and validators (`list[int]`, `TextPart`, `function-after[...]`) begin."""
+    parts = []
+    for item in loc:
+        if item == "body":
+            continue
+        text = str(item)
+        internal = isinstance(item, str) and (any(c in text for c in "[](),-") or text in _TYPE_NAMES
+                                              or text[:1].isupper())
+        if internal:
+            break
+        parts.append(text)
+    return ".".join(parts)
+
+
+def _reason(message: str) -> str:
+    return message.removeprefix("Value error, ")
+
+
 def validation_message(errors) -> tuple[str, str | None]:
-    """One line naming each bad field and its value, and the first field's name."""
-    parts, first = [], None
-    for e in errors[:5]:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-        field = ".".join(loc)
+    """One line naming each bad field and its value, and the first field's name.
+
+    A value matching none of a union's forms gives one entry per form; they are merged into
+    one clause per field ("a valid string or a valid integer").
+    """
+    for e in errors:
         if e.get("type") == "json_invalid":
             detail = (e.get("ctx") or {}).get("error", "invalid JSON")
             return f"malformed JSON body: {detail}", None
-        first = first or field or None
-        got = f" (got {_short(e['input'])})" if "input" in e and e.get("type") != "missing" else ""
-        parts.append(f"{field or 'body'}: {e.get('msg', 'invalid')}{got}")
-    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
-    return "; ".join(parts) + more, first
+    fields: dict[str, list] = {}
+    for e in errors:
+        fields.setdefault(_field_path(e.get("loc", ())), []).append(e)
+    parts = []
+    for field, errs in list(fields.items())[:5]:
+        reasons = list(dict.fromkeys(_reason(e.get("msg", "invalid")) for e in errs))
+        merged = reasons[0] + "".join(f" or {r.removeprefix('Input should be ')}" for r in reasons[1:3])
+        first = errs[0]
+        got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
+        parts.append(f"{field or 'body'}: {merged}{got}")
+    more = f" (+{len(fields) - 5} more)" if len(fields) > 5 else ""
+    return "; ".join(parts) + more, next(iter(fields), None) or None
 
 
 def install(app: FastAPI) -> None:

@@ -15,7 +15,8 @@ from collections import Counter
 # paths cannot grow the label set without bound.
 KNOWN_ROUTES = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
-    "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/openapi.json", "/",
+    "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps", "/openapi.json", "/",
+    "/docs",
 })
 
 
@@ -53,6 +54,9 @@ class Metrics:
         self.max_events_after_cancel = 0
         self.depth = 0
         self.running = 0
+        self.prefill_done = 0
+        self.prefill_total = 0
+        self.prefill_chunks = 0
         self._job_started: dict[str, float] = {}
 
     # -- updates --------------------------------------------------------------------
@@ -66,6 +70,12 @@ class Metrics:
         with self._lock:
             self.depth = depth
 
+    def prefill(self, done: int, total: int) -> None:
+        """The running job's prompt progress (0/0 when none is prefilling)."""
+        with self._lock:
+            self.prefill_done, self.prefill_total = done, total
+            self.prefill_chunks += done < total
+
     def job_started(self, job) -> None:
         with self._lock:
             self.running = 1
@@ -78,6 +88,7 @@ class Metrics:
             started = self._job_started.pop(job.id, None)
             if started is not None:
                 self.running = 0
+                self.prefill_done = self.prefill_total = 0
                 self.job_seconds += time.perf_counter() - started
             self.jobs[outcome] += 1
             self.prompt_tokens += s.prompt_n
@@ -144,6 +155,12 @@ class Metrics:
             ("dflash2_queue_depth", "gauge", "Jobs waiting for the generation worker.", [({}, self.depth)]),
             ("dflash2_requests_running", "gauge", "Jobs the generation worker is running (0 or 1).",
              [({}, self.running)]),
+            ("dflash2_prefill_tokens_done", "gauge", "Prompt tokens of the running job prefilled so far.",
+             [({}, self.prefill_done)]),
+            ("dflash2_prefill_tokens_total", "gauge", "Prompt tokens of the running job (0 when idle).",
+             [({}, self.prefill_total)]),
+            ("dflash2_prefill_chunks_total", "counter", "Prompt chunks prefilled (cancellation is checked "
+             "before each).", [({}, self.prefill_chunks)]),
             ("dflash2_cycles_after_cancel_max", "gauge",
              "Most cycles any cancelled job ran after its cancel (should be <= 1).",
              [({}, self.max_events_after_cancel)]),

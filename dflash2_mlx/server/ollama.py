@@ -26,6 +26,7 @@ from .schema import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, Oll
 from .worker import Job, JobFailed
 
 router = APIRouter(prefix="/api", tags=["ollama"])
+NEVER = "2318-08-01T00:00:00Z"  # far future, as Ollama reports for keep_alive < 0 (now + Go's longest duration)
 
 
 def _now() -> str:
@@ -34,27 +35,40 @@ def _now() -> str:
 
 def _done_fields(job: Job, started: float, finish: str | None) -> dict:
     s = job.stats
+    prompt_ms, eval_ms = s.ollama_durations_ms()
     return {
         "done": True,
         "done_reason": finish or s.finish_reason or "stop",
         "total_duration": int((time.perf_counter() - started) * 1e9),
         "load_duration": 0,
         "prompt_eval_count": s.prompt_n,
-        "prompt_eval_duration": int(s.prompt_ms * 1e6),
+        "prompt_eval_duration": int(prompt_ms * 1e6),
         "eval_count": s.predicted_n,
-        "eval_duration": int(s.predicted_ms * 1e6),
+        "eval_duration": int(eval_ms * 1e6),
         "timings": s.timings(),
     }
 
 
-def _limits(state: ServerState, options: OllamaOptions | None):
+def _window(state: ServerState, o: OllamaOptions) -> int:
+    """The request's context window: options.num_ctx, at most the model's."""
+    if o.num_ctx is None:
+        return state.context_window
+    if o.num_ctx > state.context_window:
+        raise APIError(400, f"options.num_ctx {o.num_ctx} exceeds the model's context window of "
+                            f"{state.context_window} tokens", "invalid_value", "options.num_ctx")
+    return o.num_ctx
+
+
+def _limits(state: ServerState, options: OllamaOptions | None, n_prompt: int):
     """(max_tokens, SamplingParams, stop) from Ollama's `options`."""
     o = options or OllamaOptions()
     if o.num_predict == 0:
         raise APIError(400, "options.num_predict must be >= 1, or -1 for the server default (got 0)",
                        "invalid_value", "options.num_predict")
-    n_max = dispatch.max_tokens(state, o.num_predict if o.num_predict and o.num_predict > 0 else None,
-                                name="options.num_predict")
+    requested = o.num_predict if o.num_predict and o.num_predict > 0 else None
+    n_max = dispatch.max_tokens(state, requested, name="options.num_predict")
+    n_max = dispatch.fit_context(state, n_prompt, n_max, explicit=requested is not None,
+                                 name="options.num_predict", window=_window(state, o))
     extra = {} if o.repeat_last_n is None or o.repeat_last_n < 1 else {"penalty_context": o.repeat_last_n}
     params = dispatch.sampling(state, temperature=o.temperature, seed=o.seed if o.seed and o.seed >= 0 else None,
                                top_p=o.top_p, top_k=o.top_k, min_p=o.min_p, repetition_penalty=o.repeat_penalty,
@@ -64,7 +78,7 @@ def _limits(state: ServerState, options: OllamaOptions | None):
 
 def _submit(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
     dispatch.check_prompt(state, ids)
-    n_max, params, stop = _limits(state, body.options)
+    n_max, params, stop = _limits(state, body.options, len(ids))
     return dispatch.submit(state, ids, params, n_max, stop, endpoint)
 
 
@@ -109,7 +123,11 @@ async def generate(body: OllamaGenerateRequest, request: Request, state: StateDe
     dispatch.check_unsupported(body)
     if not body.prompt and not body.system:
         return _loaded(body.model or state.model_name, {"response": ""})
-    ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, think=body.think)
+    if body.raw and body.think is not None:
+        raise APIError(400, "think has no effect with raw: a raw prompt skips the chat template", "invalid_value",
+                       "think")
+    template = dispatch.template_kwargs(state, think=body.think)
+    ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, template=template)
     job = _submit(state, body, ids, "generate")
     return await _respond(request, state, body, job, lambda text: {"response": text},
                           lambda tokens: {"context": ids + tokens}, started)
@@ -123,7 +141,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: StateDep):
     if not body.messages:
         return _loaded(body.model or state.model_name, {"message": {"role": "assistant", "content": ""}})
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    ids = await dispatch.encode(state, messages, raw=False, think=body.think)
+    ids = await dispatch.encode(state, messages, raw=False, template=dispatch.template_kwargs(state, think=body.think))
     job = _submit(state, body, ids, "chat")
     return await _respond(request, state, body, job,
                           lambda text: {"message": {"role": "assistant", "content": text}},
@@ -169,7 +187,7 @@ def _model_entry(state: ServerState) -> dict:
     }
 
 
-@router.get("/tags", summary="The loaded model (Ollama)")
+@router.api_route("/tags", methods=["GET", "HEAD"], summary="The loaded model (Ollama)")
 async def tags(state: StateDep):
     return {"models": [_model_entry(state)]}
 
@@ -185,12 +203,23 @@ async def show(body: OllamaShowRequest, state: StateDep):
         "template": getattr(target.tokenizer, "chat_template", None) or "",
         "details": _model_details(state),
         "model_info": {"general.architecture": arch, "general.parameter_count": state.n_params,
-                       f"{arch}.context_length": state.max_prompt_tokens},
+                       f"{arch}.context_length": state.context_window},
         "capabilities": ["completion"],
         "modified_at": _model_entry(state)["modified_at"],
     }
 
 
-@router.get("/version", summary="Server version (Ollama)")
+@router.api_route("/ps", methods=["GET", "HEAD"], summary="Loaded models (Ollama)")
+async def ps(state: StateDep):
+    import mlx.core as mx
+
+    entry = _model_entry(state)
+    on_gpu = mx.default_device() == mx.gpu
+    # The one model stays loaded for the server's lifetime, whatever keep_alive asked.
+    return {"models": [{**entry, "expires_at": NEVER, "size_vram": entry["size"] if on_gpu else 0,
+                        "context_length": state.context_window}]}
+
+
+@router.api_route("/version", methods=["GET", "HEAD"], summary="Server version (Ollama)")
 async def version():
     return {"version": __version__}

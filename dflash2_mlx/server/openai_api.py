@@ -73,7 +73,11 @@ def _stream_response(state: ServerState, job: Job, chunks) -> EventSourceRespons
 
 def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
     dispatch.check_prompt(state, ids)
-    n_max = dispatch.max_tokens(state, getattr(body, "max_completion_tokens", None), body.max_tokens)
+    requested = getattr(body, "max_completion_tokens", None)
+    name = "max_completion_tokens" if requested is not None else "max_tokens"
+    requested = requested if requested is not None else body.max_tokens
+    n_max = dispatch.max_tokens(state, requested, name=name)
+    n_max = dispatch.fit_context(state, len(ids), n_max, explicit=requested is not None, name=name)
     params = dispatch.sampling(state, temperature=body.temperature, seed=body.seed, top_p=body.top_p,
                                top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
@@ -84,9 +88,10 @@ def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
-    think = (body.chat_template_kwargs or {}).get("enable_thinking")
-    ids = await dispatch.encode(state, _messages(body), raw=False,
-                                think=think if isinstance(think, bool) else None)
+    template = dispatch.template_kwargs(state, reasoning_effort=body.reasoning_effort,
+                                        extra=body.chat_template_kwargs,
+                                        think_field="chat_template_kwargs.enable_thinking")
+    ids = await dispatch.encode(state, _messages(body), raw=False, template=template)
     job = _prepare(state, body, ids, "chat")
     created = int(time.time())
     if body.stream:
@@ -153,12 +158,12 @@ def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dflash2"}
 
 
-@router.get("/models", summary="The loaded model (OpenAI)")
+@router.api_route("/models", methods=["GET", "HEAD"], summary="The loaded model (OpenAI)")
 async def list_models(state: StateDep):
     return {"object": "list", "data": [_model_card(state)]}
 
 
-@router.get("/models/{model:path}", summary="One model (OpenAI)")
+@router.api_route("/models/{model:path}", methods=["GET", "HEAD"], summary="One model (OpenAI)")
 async def get_model(model: str, state: StateDep):
     dispatch.check_model(state, model)
     return _model_card(state)

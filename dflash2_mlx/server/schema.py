@@ -2,16 +2,19 @@
 
 Unknown fields are ignored (clients send many optional ones); known fields with the wrong
 type or out of bounds are rejected before any work, as 400 errors naming the field and
-value. Features we do not implement (logprobs, tools, images, JSON mode) are accepted by the
-schema but refused by `unsupported()` with a message, never silently ignored; `n` and
-`best_of` are bounded to 1.
+value. Types are strict: "2" is not an integer, true is not a token id. Features we do not
+implement (logprobs, tools, legacy functions, images, JSON mode, Ollama options that change
+sampling) are accepted by the schema but refused by `unsupported()` with a message naming
+the field, never silently ignored; `n` and `best_of` are bounded to 1. Ollama's hardware
+hints (num_gpu, num_thread, ...) change no output and are accepted.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_TEXT_CHARS = 2_000_000  # a prompt or message of ~2 MB; token limits apply after encoding
 MAX_MESSAGES = 4096
@@ -36,7 +39,7 @@ Seed = Annotated[int | None, Field(default=None, ge=0, le=SEED_BOUND)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # -- OpenAI --------------------------------------------------------------------------------
@@ -97,12 +100,22 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20)]
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    reasoning_effort: Annotated[str | None, Field(default=None, max_length=32)]
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools are not supported by this server"
+        if self.tool_choice is not None:
+            return "tool_choice was given without tools"
+        if self.parallel_tool_calls is not None:
+            return "parallel_tool_calls was given without tools"
+        if self.functions is not None or self.function_call is not None:
+            return "functions / function_call (legacy function calling) are not supported"
         if self.top_logprobs:
             return "top_logprobs is not supported"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -148,6 +161,21 @@ class OllamaOptions(_Body):
     presence_penalty: Penalty
     frequency_penalty: Penalty
     repeat_last_n: Annotated[int | None, Field(default=None, ge=-1, le=MAX_TOKENS_BOUND)]
+    num_ctx: Annotated[int | None, Field(default=None, ge=1, le=MAX_TOKENS_BOUND)]
+    mirostat: Any = None
+    mirostat_eta: Any = None
+    mirostat_tau: Any = None
+    tfs_z: Any = None
+    typical_p: Any = None
+    num_keep: Any = None
+    penalize_newline: Any = None
+
+    def unsupported(self) -> str | None:
+        for name in ("mirostat", "mirostat_eta", "mirostat_tau", "tfs_z", "typical_p", "num_keep",
+                     "penalize_newline"):
+            if getattr(self, name) is not None:
+                return f"options.{name} is not supported by this server"
+        return None
 
 
 class OllamaMessage(_Body):
@@ -157,18 +185,49 @@ class OllamaMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
 
 
+_DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(h|ms|m|s))+$")
+_UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3}
+
+
+def keep_alive_seconds(value) -> float:
+    """Ollama's keep_alive in seconds: a number of seconds or a Go duration ("5m", "1h30m");
+    negative means forever. An unparsable value raises ValueError."""
+    if isinstance(value, bool):
+        raise ValueError(f"keep_alive must be a duration like '5m' or a number of seconds, got {value!r}")
+    if isinstance(value, (int, float)):
+        return float(value)
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    if body.replace(".", "", 1).isdigit():
+        return sign * float(body)
+    if not _DURATION.match(body):
+        raise ValueError(f"keep_alive must be a duration like '5m' or a number of seconds, got {value!r}")
+    return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s)", body))
+
+
 class _OllamaBody(_Body):
     model: ModelName
     stream: bool = True
     format: Any = None
     options: OllamaOptions | None = None
-    keep_alive: Annotated[str | float | None, Field(default=None)]
+    keep_alive: Annotated[str | int | float | None, Field(default=None)]
     think: bool | None = None
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _duration(cls, value):
+        if value is not None:
+            keep_alive_seconds(value)  # raises ValueError with the bad value → 400
+        return value
 
     def unsupported(self) -> str | None:
         if self.format not in (None, ""):
             return "format (structured output) is not supported"
-        return None
+        if self.keep_alive is not None and keep_alive_seconds(self.keep_alive) == 0:
+            return ("keep_alive 0 asks to unload the model; this server keeps its one model loaded "
+                    "while it runs")
+        return self.options.unsupported() if self.options is not None else None
 
 
 class OllamaGenerateRequest(_OllamaBody):

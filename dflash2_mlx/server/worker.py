@@ -40,13 +40,18 @@ class ServerClosing(Exception):
 
 @dataclass
 class JobStats:
-    """What one job measured, in llama.cpp's `timings` vocabulary."""
+    """What one job measured, in llama.cpp server's `timings` vocabulary.
+
+    Times are wall clock on the worker, as llama-server books them: `prompt_ms` runs from the
+    job's start to its first token (the prompt pass yields that token's logits), `predicted_ms`
+    from the first token to the last. `predicted_n` counts every token, the first included,
+    so the rates divide by the `predicted_n - 1` tokens that `predicted_ms` actually timed.
+    """
 
     prompt_n: int = 0
     prompt_ms: float = 0.0
     predicted_n: int = 0
     predicted_ms: float = 0.0
-    predicted_per_second: float = 0.0
     draft_n: int = 0
     draft_n_accepted: int = 0
     n_cycles: int = 0
@@ -56,16 +61,19 @@ class JobStats:
     finish_reason: str | None = None
     cancelled: bool = False
     events_after_cancel: int = 0
+    started_at: float | None = None
+    first_token_at: float | None = None
 
-    def observe(self, event) -> None:
-        """Fold one `GenerationEvent` into the totals."""
+    def observe(self, event, now: float | None = None) -> None:
+        """Fold one `GenerationEvent`, seen at `now` (perf_counter), into the totals."""
+        now = time.perf_counter() if now is None else now
         self.n_events += 1
         self.prompt_n = event.prompt_tokens
-        self.prompt_ms = 1e3 * event.prompt_tokens / event.prompt_tps if event.prompt_tps > 0 else 0.0
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.prompt_ms = 1e3 * (now - (self.started_at if self.started_at is not None else now))
         self.predicted_n = event.generation_tokens
-        tps = event.generation_tps
-        self.predicted_per_second = tps
-        self.predicted_ms = 1e3 * event.generation_tokens / tps if tps > 0 else 0.0
+        self.predicted_ms = 1e3 * (now - self.first_token_at)
         self.finish_reason = event.finish_reason
         cycle = event.cycle
         if cycle is not None:
@@ -76,12 +84,28 @@ class JobStats:
                 self.draft_n_accepted += cycle.n_accepted
 
     @property
+    def predicted_per_second(self) -> float:
+        """Decode rate over the tokens after the first (0.0 when fewer than two)."""
+        timed = self.predicted_n - 1
+        return 1e3 * timed / self.predicted_ms if timed > 0 and self.predicted_ms > 0 else 0.0
+
+    @property
     def tokens_per_cycle(self) -> float:
         """τ: mean tokens per speculative cycle, bonus included (1.0 without speculation)."""
         return (self.draft_n_accepted + self.n_speculative) / self.n_speculative if self.n_speculative else 1.0
 
+    def ollama_durations_ms(self) -> tuple[float, float]:
+        """Ollama's (prompt_eval_duration, eval_duration), so that eval_count / eval_duration is
+        the decode rate: the first token is moved out of the prompt pass at the mean decode cost.
+        A lone token has no decode step to measure; it costs the prompt pass that produced it."""
+        if self.predicted_n <= 1:
+            return self.prompt_ms, self.prompt_ms if self.predicted_n else 0.0
+        shift = min(self.predicted_ms / (self.predicted_n - 1), self.prompt_ms)
+        return self.prompt_ms - shift, self.predicted_ms + shift
+
     def timings(self) -> dict:
         """llama.cpp server's `timings` object plus `tokens_per_cycle`."""
+        timed = self.predicted_n - 1
         return {
             "prompt_n": self.prompt_n,
             "prompt_ms": round(self.prompt_ms, 3),
@@ -89,7 +113,7 @@ class JobStats:
             "prompt_per_second": round(1e3 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
             "predicted_n": self.predicted_n,
             "predicted_ms": round(self.predicted_ms, 3),
-            "predicted_per_token_ms": round(self.predicted_ms / self.predicted_n, 3) if self.predicted_n else 0.0,
+            "predicted_per_token_ms": round(self.predicted_ms / timed, 3) if timed > 0 else 0.0,
             "predicted_per_second": round(self.predicted_per_second, 3),
             "draft_n": self.draft_n,
             "draft_n_accepted": self.draft_n_accepted,
@@ -164,10 +188,11 @@ class GenerationWorker:
         metrics: a `Metrics` told about each job's start and end (optional).
     """
 
-    def __init__(self, session, capacity: int, metrics=None):
+    def __init__(self, session, capacity: int, metrics=None, prefill_chunk: int = 512):
         self.session = session
         self.capacity = capacity
         self.metrics = metrics
+        self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: Job | None = None
@@ -192,6 +217,17 @@ class GenerationWorker:
     @property
     def accepting(self) -> bool:
         return self._accepting
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Block until no job waits or runs, at most `timeout` seconds; whether it got idle."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._waiting or self._running is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.05))
+        return True
 
     def submit(self, job: Job) -> None:
         """Queue `job`; raise `QueueFull` or `ServerClosing` instead of waiting."""
@@ -261,17 +297,28 @@ class GenerationWorker:
             finally:
                 with self._cond:
                     self._running = None
+                    self._cond.notify_all()
                 if self.metrics is not None:
                     self.metrics.queue_depth(self.depth)
 
+    def _on_prefill(self, job: Job):
+        def progress(done: int, total: int) -> bool:
+            if self.metrics is not None:
+                self.metrics.prefill(done, total)
+            return not job.cancelled.is_set()  # False stops the prefill before the next chunk
+
+        return progress
+
     def _run(self, job: Job) -> None:
         stats = job.stats
-        stats.queued_ms = 1e3 * (time.perf_counter() - job.submitted_at)
+        stats.started_at = time.perf_counter()
+        stats.queued_ms = 1e3 * (stats.started_at - job.submitted_at)
         if self.metrics is not None:
             self.metrics.job_started(job)
         try:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
-                                         stop=job.stop)
+                                         stop=job.stop, on_prefill=self._on_prefill(job),
+                                         prefill_step_size=self.prefill_chunk)
             try:
                 for event in events:
                     stats.observe(event)
@@ -289,7 +336,10 @@ class GenerationWorker:
             if job.cancelled.is_set():
                 stats.cancelled = True
                 stats.events_after_cancel = stats.n_events - (job.events_at_cancel or 0)
-            job.post(Finished(stats))
+            if stats.cancelled and self._stopped:  # cut by shutdown: the client must see an error
+                job.post(Failed(503, "the server shut down before this reply finished", "server_error"))
+            else:
+                job.post(Finished(stats))
         finally:
             if self.metrics is not None:
                 self.metrics.job_ended(job)
