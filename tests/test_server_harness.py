@@ -53,17 +53,18 @@ def start_cli(*args: str) -> subprocess.Popen:
 class ServerProcess:
     """`dflash2 serve` in a subprocess; `url` once it listens. Use as a context manager."""
 
-    def __init__(self, target: Path, drafter: Path, *extra: str, log_path: Path):
+    def __init__(self, target: Path, drafter: Path, *extra: str, log_path: Path, env: dict | None = None):
         self.args = ["serve", str(target), "--drafter", str(drafter), "--port", "0", "--json",
                      "--log-level", "warning", *extra]
         self.log_path = log_path
+        self.env = {**cli_env(), **(env or {})}
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
     def start(self, timeout: float = 120) -> ServerProcess:
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen([*CLI, *self.args], stdout=subprocess.PIPE,
-                                     stderr=self._log, text=True, env=cli_env(), cwd=ROOT)
+                                     stderr=self._log, text=True, env=self.env, cwd=ROOT)
         deadline = time.monotonic() + timeout
         line = self.proc.stdout.readline()  # the --json banner, printed once the socket listens
         if not line or time.monotonic() > deadline:

@@ -55,6 +55,13 @@ class OtherPart(_Body):
 
     type: Annotated[str, Field(max_length=64)]
 
+    @field_validator("type")
+    @classmethod
+    def _not_text(cls, value: str) -> str:
+        if value == "text":  # a text part whose `text` is missing or not a string
+            raise ValueError("a 'text' part needs a string field 'text'")
+        return value
+
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
