@@ -131,6 +131,10 @@ def test_seeded_sampling_repeats(client):
     assert client.completions.create(**kwargs).choices[0].text == first
 
 
+def test_api_key_on_the_command_line_is_warned_about(server):
+    assert "--api-key on the command line is visible" in server.logs()
+
+
 def test_models_health_and_auth(client, server):
     assert [m.id for m in client.models.list().data] == ["tiny-llama"]
     assert client.models.retrieve("tiny-llama").id == "tiny-llama"

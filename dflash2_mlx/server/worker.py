@@ -5,7 +5,9 @@ job only while fewer than `capacity` jobs are waiting or running, else raises `Q
 (the app answers 429 with Retry-After). The thread runs one job at a time in arrival order
 and posts each engine event to the job's asyncio queue on the event loop. A cancelled job
 stops at the next cycle: the worker checks the flag after every event and closes the
-generator, so at most one cycle runs after `cancel`.
+generator, so at most one cycle runs after `cancel`; during prefill the flag is checked
+before each `prefill_chunk` of the prompt. A job cut by shutdown ends with a 503 failure, so
+its client sees an error rather than a truncated reply.
 """
 
 from __future__ import annotations
