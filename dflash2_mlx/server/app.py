@@ -22,6 +22,11 @@ from . import errors, ollama, openai_api
 from .config import ServerConfig
 from .dispatch import StateDep, make_state
 from .guard import Guard
+from .schema import refused
+
+STREAMING = {"/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
+             "/api/chat": "application/x-ndjson", "/api/generate": "application/x-ndjson"}
+
 
 def _error_responses() -> dict:
     schema = {"type": "object", "properties": {"error": {}}, "required": ["error"]}
@@ -44,7 +49,17 @@ def _bound_token_ids(schema, top: int) -> None:
             _bound_token_ids(value, top)
 
 
-def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab_size: int) -> None:
+def _template_modes(body: dict, template: str) -> None:
+    """Chat-template modes this model lacks are refused: say so in the schema too."""
+    props = body.get("properties", {})
+    if "reasoning_effort" in props and "reasoning_effort" not in template:
+        refused()(props["reasoning_effort"])
+    if "think" in props and "enable_thinking" not in template:
+        refused("false")(props["think"])
+
+
+def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab_size: int,
+                       template: str = "") -> None:
     """OpenAPI: our 400-shaped errors instead of FastAPI's 422, `model` limited to the loaded
     pair (the only name accepted, besides aliases and `:latest`), token limits at the cap and
     token ids inside the vocab."""
@@ -53,8 +68,10 @@ def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab
     def openapi():
         if app.openapi_schema is None:
             schema = base()
-            for ops in schema.get("paths", {}).values():
+            for path, ops in schema.get("paths", {}).items():
                 for op in ops.values():
+                    if path in STREAMING:  # "stream": true answers in another media type
+                        op.get("responses", {}).get("200", {}).setdefault("content", {})[STREAMING[path]] = {}
                     op.get("responses", {}).pop("422", None)
                     op.setdefault("responses", {}).update(_error_responses())
                     for param in op.get("parameters", []):
@@ -64,6 +81,7 @@ def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab
             components.pop("HTTPValidationError", None)
             components.pop("ValidationError", None)
             for body in components.values():
+                _template_modes(body, template)
                 props = body.get("properties", {})
                 if "model" in props:
                     props["model"] = {"anyOf": [{"type": "string", "enum": [model_name]}, {"type": "null"}],
@@ -128,5 +146,7 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
         return PlainTextResponse(f"dflash2 {__version__} is running: {state.model_name} "
                                  "(OpenAI API under /v1, Ollama API under /api)")
 
-    _customize_openapi(app, state.model_name, config.max_tokens_cap, session.target.info.vocab_size)
+    template = getattr(session.target.tokenizer, "chat_template", None)
+    _customize_openapi(app, state.model_name, config.max_tokens_cap, session.target.info.vocab_size,
+                       template if isinstance(template, str) else "")
     return app

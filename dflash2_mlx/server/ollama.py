@@ -122,6 +122,7 @@ async def generate(body: OllamaGenerateRequest, request: Request, state: StateDe
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
     if not body.prompt and not body.system:
+        _limits(state, body.options, 0)  # a load request's options are still checked
         return _loaded(body.model or state.model_name, {"response": ""})
     if body.raw and body.think is not None:
         raise APIError(400, "think has no effect with raw: a raw prompt skips the chat template", "invalid_value",
@@ -139,6 +140,7 @@ async def chat(body: OllamaChatRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
     if not body.messages:
+        _limits(state, body.options, 0)
         return _loaded(body.model or state.model_name, {"message": {"role": "assistant", "content": ""}})
     messages = [{"role": m.role, "content": m.content} for m in body.messages]
     ids = await dispatch.encode(state, messages, raw=False, template=dispatch.template_kwargs(state, think=body.think))

@@ -75,6 +75,8 @@ def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
     dispatch.check_prompt(state, ids)
     requested = getattr(body, "max_completion_tokens", None)
     name = "max_completion_tokens" if requested is not None else "max_tokens"
+    if body.max_tokens is not None:
+        dispatch.max_tokens(state, body.max_tokens)  # both limits must respect the cap
     requested = requested if requested is not None else body.max_tokens
     n_max = dispatch.max_tokens(state, requested, name=name)
     n_max = dispatch.fit_context(state, len(ids), n_max, explicit=requested is not None, name=name)

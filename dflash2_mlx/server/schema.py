@@ -25,6 +25,7 @@ MAX_TOKENS_BOUND = 1_000_000  # schema bound; the server's --max-tokens-cap appl
 SEED_BOUND = 2**63 - 1
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+PromptText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
 StopText = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 Stop = StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None
 ModelName = Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
@@ -36,6 +37,26 @@ MinP = Annotated[float | None, Field(default=None, ge=0.0, le=1.0, allow_inf_nan
 Penalty = Annotated[float | None, Field(default=None, ge=-2.0, le=2.0, allow_inf_nan=False)]
 RepetitionPenalty = Annotated[float | None, Field(default=None, ge=0.0, le=10.0, allow_inf_nan=False)]
 Seed = Annotated[int | None, Field(default=None, ge=0, le=SEED_BOUND)]
+
+
+_NO_OP_FORMS = {
+    "false": {"const": False}, "zero": {"const": 0}, "empty_list": {"type": "array", "maxItems": 0},
+    "empty_str": {"type": "string", "maxLength": 0}, "empty_obj": {"type": "object", "maxProperties": 0},
+    "text_format": {"type": "object", "properties": {"type": {"const": "text"}}},
+}
+
+
+def refused(*forms: str):
+    """OpenAPI for a field the server refuses (400) unless it is null or one of the no-op `forms`,
+    so that schema-driven clients and fuzzers know the other values are not accepted."""
+
+    def edit(schema: dict) -> None:
+        kept = {k: schema[k] for k in ("title", "default") if k in schema}
+        schema.clear()
+        schema.update(kept, anyOf=[{"type": "null"}, *(_NO_OP_FORMS[f] for f in forms)],
+                      description="Not supported by this server: any other value is refused with 400.")
+
+    return edit
 
 
 class _Body(BaseModel):
@@ -89,8 +110,8 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(default=1, ge=1, le=1, description="Only 1: one choice per request.")]
-    logprobs: Any = None
-    logit_bias: dict[str, float] | None = None
+    logprobs: Annotated[Any, Field(default=None, json_schema_extra=refused("false", "zero"))]
+    logit_bias: Annotated[dict[str, float] | None, Field(default=None, json_schema_extra=refused("empty_obj"))]
     user: Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
 
     def unsupported(self) -> str | None:
@@ -104,14 +125,14 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: MaxTokens
-    top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20)]
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None
-    functions: list[dict[str, Any]] | None = None
-    function_call: Any = None
+    top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20, json_schema_extra=refused("zero"))]
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
+    tool_choice: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    parallel_tool_calls: Annotated[bool | None, Field(default=None, json_schema_extra=refused())]
+    functions: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
+    function_call: Annotated[Any, Field(default=None, json_schema_extra=refused())]
     reasoning_effort: Annotated[str | None, Field(default=None, max_length=32)]
-    response_format: dict[str, Any] | None = None
+    response_format: Annotated[dict[str, Any] | None, Field(default=None, json_schema_extra=refused("text_format"))]
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
@@ -121,7 +142,7 @@ class ChatCompletionRequest(_Sampling):
             return "tool_choice was given without tools"
         if self.parallel_tool_calls is not None:
             return "parallel_tool_calls was given without tools"
-        if self.functions is not None or self.function_call is not None:
+        if self.functions or self.function_call is not None:
             return "functions / function_call (legacy function calling) are not supported"
         if self.top_logprobs:
             return "top_logprobs is not supported"
@@ -139,10 +160,11 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_
 
 
 class CompletionRequest(_Sampling):
-    prompt: Text | TokenIds | Annotated[list[Text], Field(min_length=1, max_length=1)] \
+    prompt: PromptText | TokenIds | Annotated[list[PromptText], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
-    echo: bool = False
-    suffix: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS)]
+    echo: Annotated[bool | None, Field(default=False, json_schema_extra=refused("false"))]
+    suffix: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS,
+                                        json_schema_extra=refused("empty_str"))]
     best_of: Annotated[int | None, Field(default=None, ge=1, le=1, description="Only 1.")]
 
     def unsupported(self) -> str | None:
@@ -169,13 +191,13 @@ class OllamaOptions(_Body):
     frequency_penalty: Penalty
     repeat_last_n: Annotated[int | None, Field(default=None, ge=-1, le=MAX_TOKENS_BOUND)]
     num_ctx: Annotated[int | None, Field(default=None, ge=1, le=MAX_TOKENS_BOUND)]
-    mirostat: Any = None
-    mirostat_eta: Any = None
-    mirostat_tau: Any = None
-    tfs_z: Any = None
-    typical_p: Any = None
-    num_keep: Any = None
-    penalize_newline: Any = None
+    mirostat: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    mirostat_eta: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    mirostat_tau: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    tfs_z: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    typical_p: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    num_keep: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    penalize_newline: Annotated[Any, Field(default=None, json_schema_extra=refused())]
 
     def unsupported(self) -> str | None:
         for name in ("mirostat", "mirostat_eta", "mirostat_tau", "tfs_z", "typical_p", "num_keep",
@@ -188,7 +210,7 @@ class OllamaOptions(_Body):
 class OllamaMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text = ""
-    images: list[str] | None = None
+    images: Annotated[list[str] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -216,9 +238,10 @@ def keep_alive_seconds(value) -> float:
 class _OllamaBody(_Body):
     model: ModelName
     stream: bool = True
-    format: Any = None
+    format: Annotated[Any, Field(default=None, json_schema_extra=refused("empty_str"))]
     options: OllamaOptions | None = None
-    keep_alive: Annotated[str | int | float | None, Field(default=None)]
+    keep_alive: Annotated[str | int | float | None,
+                          Field(default=None, json_schema_extra={"not": {"enum": [0, "0", "0s", "0m", "0h"]}})]
     think: bool | None = None
 
     @field_validator("keep_alive")
@@ -241,10 +264,12 @@ class OllamaGenerateRequest(_OllamaBody):
     prompt: Text = ""
     system: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS)]
     raw: bool = False
-    images: list[str] | None = None
-    suffix: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS)]
-    template: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS)]
-    context: list[int] | None = None
+    images: Annotated[list[str] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
+    suffix: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS,
+                                        json_schema_extra=refused("empty_str"))]
+    template: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS,
+                                          json_schema_extra=refused("empty_str"))]
+    context: Annotated[list[int] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
 
     def unsupported(self) -> str | None:
         if self.images:
@@ -260,7 +285,7 @@ class OllamaGenerateRequest(_OllamaBody):
 
 class OllamaChatRequest(_OllamaBody):
     messages: Annotated[list[OllamaMessage], Field(default_factory=list, max_length=MAX_MESSAGES)]
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
 
     def unsupported(self) -> str | None:
         if self.tools:
