@@ -90,7 +90,8 @@ def validation_message(errors) -> tuple[str, str | None]:
         reasons = list(dict.fromkeys(_reason(e.get("msg", "invalid")) for e in errs))
         merged = reasons[0] + "".join(f" or {r.removeprefix('Input should be ')}" for r in reasons[1:3])
         first = errs[0]
-        got = f" (got {_short(first['input'])})" if "input" in first and first.get("type") != "missing" else ""
+        shown = "input" in first and first.get("type") != "missing" and ", got " not in merged
+        got = f" (got {_short(first['input'])})" if shown else ""
         parts.append(f"{field or 'body'}: {merged}{got}")
     more = f" (+{len(fields) - 5} more)" if len(fields) > 5 else ""
     return "; ".join(parts) + more, next(iter(fields), None) or None
