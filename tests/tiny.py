@@ -78,6 +78,8 @@ def _scale_weights(model: nn.Module, seed: int, std: float = 0.08) -> None:
 def tiny_model(family: str, seed: int = 0, **overrides) -> nn.Module:
     module = importlib.import_module(f"mlx_lm.models.{family}")
     config = dict(FAMILIES[family], **overrides)
+    # Seed before building too: qwen3_5 draws A_log at construction and it is not rescaled below.
+    mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     if family == "gemma3_text":
         model.sanitize({})  # ties the head to the embedding, as loading a tied checkpoint does
