@@ -10,6 +10,9 @@ rebuild the state after `n` tokens from the checkpoint taken before the pass.
 * `GatedDeltaReplay` (fast path for mlx-lm's `qwen3_5.GatedDeltaNet`): records the
   convolution input, then replays only the depthwise conv and the gated-delta recurrence
   over `n` steps; no projection weights are read except the two tiny gate projections.
+* `replay_stacked` (default for a model's GatedDeltaNet layers): the same replay for all
+  same-shape layers at once, from the recorded gates, as one batched conv + recurrence.
+  `GatedDeltaReplay.replay` per layer is its slow twin.
 
 The forward pass itself is always mlx-lm's own code; only the replay is ours.
 """
@@ -82,15 +85,20 @@ class MixerReplay(_Wrapper):
         del out
 
 
-class _ConvTap(_Wrapper):
-    def __init__(self, inner: nn.Module, sink: _Sink):
+class _Tap(_Wrapper):
+    """Records the input (or the output) of a one-argument child under `key` in the tape."""
+
+    def __init__(self, inner: nn.Module, sink: _Sink, key: str, output: bool = False):
         super().__init__(inner)
         self.sink = sink
+        self.key = key
+        self.output = output
 
-    def __call__(self, conv_input):
+    def __call__(self, x):
+        y = self.inner(x)
         if self.sink.tape is not None:
-            self.sink.tape["conv_input"] = conv_input
-        return self.inner(conv_input)
+            self.sink.tape[self.key] = y if self.output else x
+        return y
 
 
 class GatedDeltaReplay(_Wrapper):
@@ -99,7 +107,10 @@ class GatedDeltaReplay(_Wrapper):
     def __init__(self, inner: nn.Module):
         super().__init__(inner)
         self.sink = _Sink()
-        inner.conv1d = _ConvTap(inner.conv1d, self.sink)
+        inner.conv1d = _Tap(inner.conv1d, self.sink, "conv_input")
+        # The gate projections' outputs let the stacked replay skip per-layer matmuls.
+        inner.in_proj_a = _Tap(inner.in_proj_a, self.sink, "a", output=True)
+        inner.in_proj_b = _Tap(inner.in_proj_b, self.sink, "b", output=True)
 
     def __call__(self, inputs, mask=None, cache=None):
         if not _armed(cache):
@@ -113,24 +124,17 @@ class GatedDeltaReplay(_Wrapper):
             self.sink.tape = None
 
     def replay(self, cache: RecurrentCache, n: int) -> None:
-        from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+        from mlx_lm.models.gated_delta import gated_delta_update
 
+        if n == 0:
+            cache.restore()
+            return
         gdn = self.inner
         tape = cache.tape
         inputs, mask = tape["inputs"], tape["mask"]
-        B, L, _ = inputs.shape
-        k_conv = gdn.conv_kernel_size
-        conv_input = tape["conv_input"][:, : k_conv - 1 + n]
-        conv_out = nn.silu(gdn.conv1d.inner(conv_input))
-        q, k, v = [
-            t.reshape(B, n, heads, dim)
-            for t, heads, dim in zip(
-                mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
-                [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
-                [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
-            )
-        ]
-        q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+        L = inputs.shape[1]
+        conv_input = tape["conv_input"][:, : gdn.conv_kernel_size - 1 + n]
+        q, k, v = _split_qkv(gdn, nn.silu(gdn.conv1d.inner(conv_input)), n)
         prefix = inputs[:, :n]
         _, state = gated_delta_update(
             q,
@@ -145,6 +149,107 @@ class GatedDeltaReplay(_Wrapper):
             use_kernel=not gdn.training,
         )
         cache.cache = [mx.contiguous(conv_input[:, n:]), state]
+
+
+def _split_qkv(gdn: nn.Module, conv_out: mx.array, n: int):
+    """q, k, v `[B, n, heads, dim]` from the conv output, normalised as GatedDeltaNet does."""
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    B = conv_out.shape[0]
+    q, k, v = [
+        t.reshape(B, n, heads, dim)
+        for t, heads, dim in zip(
+            mx.split(conv_out, [gdn.key_dim, 2 * gdn.key_dim], -1),
+            [gdn.num_k_heads, gdn.num_k_heads, gdn.num_v_heads],
+            [gdn.head_k_dim, gdn.head_k_dim, gdn.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=gdn.head_k_dim**-0.5, eps=1e-6)
+    return q, k, v
+
+
+def _stack_key(replayer: nn.Module, cache: RecurrentCache):
+    """Layers with equal keys replay as one stack (same shapes and dtypes); None: per layer."""
+    if not isinstance(replayer, GatedDeltaReplay):
+        return None
+    gdn, tape = replayer.inner, cache.tape
+    mask, state = tape["mask"], cache.checkpoint[1]
+    if mask is not None and (isinstance(mask, str) or mask.ndim != 2):
+        return None
+    arrays = (tape["conv_input"], tape["a"], tape["b"], gdn.conv1d.inner.weight, gdn.A_log, gdn.dt_bias,
+              mask, state)
+    dims = (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.training)
+    return dims + tuple(None if a is None else (a.shape, a.dtype) for a in arrays)
+
+
+def _stack(arrays: list) -> mx.array:
+    """`S` arrays `[B, ...]` as one `[S·B, ...]`, layer-major."""
+    out = mx.stack(arrays)
+    return out.reshape(-1, *out.shape[2:])
+
+
+def replay_stacked(pairs: list, n: int) -> None:
+    """Replay `n` steps of same-shape GatedDeltaNet layers as one batched conv + recurrence.
+
+    `pairs` are (GatedDeltaReplay, armed RecurrentCache) with equal `_stack_key`s. The layer
+    axis folds into the conv's channels (each layer keeps its own depthwise kernels) and
+    into the recurrence's batch, so the whole group is one graph instead of one per layer.
+    """
+    from mlx_lm.models.gated_delta import gated_delta_update
+
+    if n == 0:
+        for _, cache in pairs:
+            cache.restore()
+        return
+    gdns, tapes = [r.inner for r, _ in pairs], [c.tape for _, c in pairs]
+    first, S = gdns[0], len(pairs)
+    B, _, C = tapes[0]["conv_input"].shape
+    conv_in = [t["conv_input"][:, : first.conv_kernel_size - 1 + n] for t in tapes]
+    weight = mx.concatenate([g.conv1d.inner.weight for g in gdns])
+    conv_out = nn.silu(mx.conv1d(mx.concatenate(conv_in, axis=-1), weight, groups=S * C))
+    conv_out = conv_out.reshape(B, n, S, C).transpose(2, 0, 1, 3).reshape(S * B, n, C)
+    q, k, v = _split_qkv(first, conv_out, n)
+
+    def per_layer(params: list) -> mx.array:  # [S·B, 1, Hv]: each layer's A_log / dt_bias
+        return mx.repeat(mx.stack(params), B, axis=0)[:, None]
+
+    states = [c.checkpoint[1] for _, c in pairs]
+    mask = tapes[0]["mask"]
+    _, state = gated_delta_update(
+        q,
+        k,
+        v,
+        _stack([t["a"][:, :n] for t in tapes]),
+        _stack([t["b"][:, :n] for t in tapes]),
+        per_layer([g.A_log for g in gdns]),
+        per_layer([g.dt_bias for g in gdns]),
+        None if states[0] is None else _stack(states),
+        None if mask is None else _stack([t["mask"][:, :n] for t in tapes]),
+        use_kernel=not first.training,
+    )
+    state = state.reshape(S, B, *state.shape[1:])
+    for i, (_, cache) in enumerate(pairs):
+        cache.cache = [mx.contiguous(conv_in[i][:, n:]), state[i]]
+
+
+def replay_layers(pairs: list, n: int, stacked: bool = True) -> None:
+    """Rebuild every armed recurrent layer's state after `n` kept steps of the last pass.
+
+    With `stacked`, GatedDeltaNet layers of equal shapes replay as one stack
+    (`replay_stacked`); the others, and every layer without it, replay on their own.
+    """
+    groups: dict = {}
+    for replayer, cache in pairs:
+        key = _stack_key(replayer, cache) if stacked else None
+        if key is None:
+            replayer.replay(cache, n)
+        else:
+            groups.setdefault(key, []).append((replayer, cache))
+    for group in groups.values():
+        if len(group) == 1:
+            group[0][0].replay(group[0][1], n)
+        else:
+            replay_stacked(group, n)
 
 
 def install_replay(layer: nn.Module, fast: bool = True):

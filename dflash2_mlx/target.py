@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from .caches import RecurrentCache, adapt_cache
 from .errors import ConfigError, DFlashError
-from .recurrent import _Wrapper, install_replay
+from .recurrent import _Wrapper, install_replay, replay_layers
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +123,12 @@ class Target:
         path: where it was loaded from (for messages and the registry).
         fast_recurrent_replay: use the GatedDeltaNet fast replay where it applies
             (default True); False forces the generic replay (tests compare the two).
+        stacked_replay: roll back all same-shape GatedDeltaNet layers as one stacked
+            update (default True); False replays each layer on its own (the slow twin).
     """
 
     def __init__(self, model: nn.Module, tokenizer, path: str | None = None,
-                 fast_recurrent_replay: bool = True):
+                 fast_recurrent_replay: bool = True, stacked_replay: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.path = path
@@ -136,6 +138,7 @@ class Target:
         self._head = _resolve_head(model, self.inner)
         self._transform = _logit_transform(self.args)
         self._replayers: dict[int, nn.Module] = {}
+        self.stacked_replay = stacked_replay
         self._wrap_layers(fast_recurrent_replay)
         self.info = self._probe()
 
@@ -335,17 +338,20 @@ class Target:
         if not 0 < n_keep <= n_fed:
             raise ValueError(f"n_keep must be in [1, {n_fed}], got {n_keep}")
         drop = n_fed - n_keep
-        for i, c in enumerate(cache):
-            if isinstance(c, RecurrentCache):
-                if drop:
-                    if c.tape is None:
-                        raise RuntimeError(f"layer {i}: recurrent cache was not armed before the verify pass")
-                    self._replayers[i].replay(c, n_keep)
-                c.disarm()
-            elif drop:
+        recurrent = [(i, c) for i, c in enumerate(cache) if isinstance(c, RecurrentCache)]
+        if drop:
+            for i, c in recurrent:
+                if c.tape is None:
+                    raise RuntimeError(f"layer {i}: recurrent cache was not armed before the verify pass")
+            replay_layers([(self._replayers[i], c) for i, c in recurrent], n_keep, self.stacked_replay)
+            for i, c in enumerate(cache):
+                if isinstance(c, RecurrentCache):
+                    continue
                 trimmed = c.trim(drop)
                 if trimmed != drop:
                     raise RuntimeError(f"layer {i}: trimmed {trimmed} of {drop} tokens")
+        for _, c in recurrent:
+            c.disarm()
 
 
 def _cast(model: nn.Module, dtype) -> None:
@@ -360,7 +366,8 @@ def _cast(model: nn.Module, dtype) -> None:
     model.update(tree_map_with_path(cast, model.parameters()))
 
 
-def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_replay: bool = True) -> Target:
+def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_replay: bool = True,
+                stacked_replay: bool = True) -> Target:
     """Load an mlx-lm model directory or Hugging Face repo as a `Target`.
 
     Args:
@@ -374,4 +381,5 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         _cast(model, getattr(mx, dtype))
-    return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay)
+    return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay,
+                  stacked_replay=stacked_replay)

@@ -90,12 +90,12 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> nn.Module:
 
 
 def tiny_target(family: str = "llama", seed: int = 0, fast_recurrent_replay: bool = True,
-                eos: tuple[int, ...] = (), **overrides) -> Target:
+                eos: tuple[int, ...] = (), stacked_replay: bool = True, **overrides) -> Target:
     """A tiny target; no EOS by default so generations run to max_tokens."""
     tokenizer = TinyTokenizer.make()
     tokenizer._eos_token_ids = set(eos)
     return Target(tiny_model(family, seed, **overrides), tokenizer, path=f"tiny-{family}",
-                  fast_recurrent_replay=fast_recurrent_replay)
+                  fast_recurrent_replay=fast_recurrent_replay, stacked_replay=stacked_replay)
 
 
 def drafter_config_dict(arch: str = "dflash2", block_size: int = 8, layer_types=None, sliding_window=16,
