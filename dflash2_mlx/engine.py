@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -29,6 +30,7 @@ from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFILL_STEP = 2048
+_STREAMS = threading.local()  # MLX streams belong to the thread that made them
 CLEAR_CACHE_EVERY = 64  # cycles (about mlx-lm's 256 tokens at 4 tokens per cycle)
 
 
@@ -117,6 +119,14 @@ class _Run:
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
         return sub
+
+
+def generation_stream():
+    """This thread's dedicated stream for generation work (as mlx-lm keeps one of its own)."""
+    stream = getattr(_STREAMS, "stream", None)
+    if stream is None:
+        stream = _STREAMS.stream = mx.new_stream(mx.default_device())
+    return stream
 
 
 def _wired_limit(model):
@@ -224,7 +234,32 @@ def _step_plain(run: _Run) -> tuple[list[int], CycleStats]:
     return [token], CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)
 
 
+def _pipelined_plain(run: _Run, budget: int):
+    """Plain decoding as mlx-lm's `generate_step` does it: step t+1 is queued on the device
+    before step t's token is read back, so graph building overlaps compute. Yields up to
+    `budget` (token, CycleStats); the fast twin of repeated `_step_plain` (no drafter, no
+    penalties: both need each token on the host before the next step)."""
+
+    def queue(token_in: mx.array) -> mx.array:
+        logits, _ = run.target.forward(token_in.reshape(1, 1), run.target_cache, (), "last")
+        token = _choose(run, logits[0], [], run.next_key())
+        mx.async_eval(token)
+        return token
+
+    nxt = queue(mx.array([run.history[-1]]))
+    for i in range(budget):
+        t0 = time.perf_counter()
+        current = nxt
+        if i + 1 < budget:
+            nxt = queue(current)
+        token = int(current.item())
+        yield token, CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)
+
+
 def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
+    """One draft-verify cycle. The drafts are evaluated asynchronously while the host builds the
+    verify graph, and the verify is queued right behind them, so the device never waits on the
+    host; waiting on the drafts first still tells their finish time (`draft_s`) apart."""
     t0 = time.perf_counter()
     anchor = run.history[-1]
     proposal = run.drafter.propose(mx.array([anchor]), _take_context(run), run.drafter_cache, width,
@@ -232,25 +267,31 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     drafts = proposal.tokens[0]
     if run.processors:  # penalties need the drafted tokens on the host
         mx.eval(drafts)
-    t1 = time.perf_counter()
+    else:
+        mx.async_eval(drafts)
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
     rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors)
     if run.params.greedy:
-        choice = mx.argmax(rows, axis=-1)
-        mx.eval(drafts, choice)
-        n_acc, nxt = greedy_accept(drafts.tolist(), choice.tolist())
+        outputs = (mx.argmax(rows, axis=-1),)
     else:
         p = target_probs(rows, run.params)
         q = dense_q(proposal.q[0], proposal.candidates[0], p.shape[-1]) if proposal.q is not None \
             else one_hot_q(drafts, p.shape[-1])
-        n_arr, nxt_arr = rejection_sample(drafts, p, q, run.next_key())
-        mx.eval(drafts, n_arr, nxt_arr)
-        n_acc, nxt = int(n_arr.item()), int(nxt_arr.item())
+        outputs = rejection_sample(drafts, p, q, run.next_key())
+    mx.async_eval(*outputs)
+    mx.eval(drafts)
+    t1 = time.perf_counter()
+    mx.eval(*outputs)
+    draft_list = drafts.tolist()
+    if run.params.greedy:
+        n_acc, nxt = greedy_accept(draft_list, outputs[0].tolist())
+    else:
+        n_acc, nxt = int(outputs[0].item()), int(outputs[1].item())
     run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
     run.pending_ctx.append(hidden[:, : n_acc + 1])
-    emitted = drafts.tolist()[:n_acc] + [nxt]
+    emitted = draft_list[:n_acc] + [nxt]
     t2 = time.perf_counter()
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0, t2 - t1)
 
@@ -312,7 +353,7 @@ class _Stopper:
 def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKENS,
                     sampling: SamplingParams | None = None, block_size: int | None = None,
                     stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                    block_policy=None, kv_bits: int | None = None, on_prefill=None):
+                    block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -330,6 +371,8 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         kv_bits: quantize the target's full-attention KV cache to 4 or 8 bits.
         on_prefill: optional `(n_done, n_total) -> bool | None`, called before each prompt
             chunk; returning False cancels: the generator ends without yielding anything.
+        pipelined: plain decoding (no drafter, no penalties) queues each step before reading
+            the last token back, as mlx-lm does; False runs the one-step-at-a-time twin.
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
@@ -344,14 +387,16 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         history=list(ids), processors=make_processors(params),
     )
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
-    # Wire the weights (Metal) for the whole generation; a no-op elsewhere.
+    # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
+    # the generation stream, entered around each step so that it does not leak into the caller.
     with _wired_limit(target.model):
         mx.reset_peak_memory()
         tic = time.perf_counter()
-        logits = _prefill(run, ids, prefill_step_size, on_prefill)
-        if logits is None:
-            return
-        first = int(_choose(run, logits[0], [], run.next_key()).item())
+        with mx.stream(generation_stream()):
+            logits = _prefill(run, ids, prefill_step_size, on_prefill)
+            if logits is None:
+                return
+            first = int(_choose(run, logits[0], [], run.next_key()).item())
         prompt_tps = len(ids) / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
@@ -364,19 +409,32 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         kept, finish = stopper.feed([first])
         run.history.append(first)
         yield event(kept, None, finish)
+        plain = None
+        if drafter is None and not run.processors and pipelined and finish is None:
+            plain = _pipelined_plain(run, max_tokens - len(stopper.tokens))
         n_cycles = 0
         while finish is None:
-            cap = min(width, max_tokens - len(stopper.tokens))  # never draft past max_tokens
-            w = min(block_policy.next_width(cap), cap) if block_policy is not None else cap
-            emitted, cycle = _step_speculative(run, w) if drafter is not None and w >= 2 else _step_plain(run)
-            if block_policy is not None:
-                block_policy.observe(cycle)
+            with mx.stream(generation_stream()):
+                emitted, cycle = _next_cycle(run, plain, width, max_tokens - len(stopper.tokens), block_policy)
             kept, finish = stopper.feed(emitted)
             run.history.extend(emitted)
             n_cycles += 1
             if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
                 mx.clear_cache()
             yield event(kept, cycle, finish)
+
+
+def _next_cycle(run: _Run, plain, width: int, left: int, block_policy) -> tuple[list[int], CycleStats]:
+    """The next cycle's emitted tokens: from the plain pipeline, or a step of the chosen width."""
+    if plain is not None:
+        token, cycle = next(plain)
+        return [token], cycle
+    cap = min(width, left)  # never draft past max_tokens
+    w = min(block_policy.next_width(cap), cap) if block_policy is not None else cap
+    emitted, cycle = _step_speculative(run, w) if run.drafter is not None and w >= 2 else _step_plain(run)
+    if block_policy is not None:
+        block_policy.observe(cycle)
+    return emitted, cycle
 
 
 def collect(events, on_text=None) -> GenerationResult:

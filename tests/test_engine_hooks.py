@@ -52,3 +52,16 @@ def test_a_cut_mid_character_emits_no_replacement_character():
     kept, finish = cut.feed([2, 4, 5, 3])
     assert (kept, finish) == ([2, 4], "length")
     assert cut.new_text(final=True) == "a"
+
+
+def test_pipelined_plain_decoding_equals_the_step_by_step_twin():
+    from dflash2_mlx import SamplingParams
+
+    for family in ("llama", "qwen3_5", "gemma3_text"):
+        target = tiny_target(family)
+        for sampling in (None, SamplingParams(temperature=0.8, seed=3)):
+            fast = generate(target, None, PROMPT, max_tokens=40, sampling=sampling)
+            slow = generate(target, None, PROMPT, max_tokens=40, sampling=sampling, pipelined=False)
+            assert fast.tokens == slow.tokens and len(fast.tokens) == 40, family
+            assert [c.width for c in fast.cycles] == [1] * 39
+
