@@ -34,8 +34,9 @@ DEFAULT_MAX_TOKENS = 256
 WARMUP_TOKENS = 16
 LOOP_WINDOW = 64
 LOOP_MAX_PERIOD = 32  # at least two exact copies in the window
-MODE_KINDS = ("ar", "dflash", "dflash2")
+MODE_KINDS = ("ar", "dflash", "dflash2", "mlx_lm")
 SCHEMA = "dflash2.bench/1"
+MIN_CYCLES = 10  # plotted acceptance from fewer cycles is drawn faded
 
 
 # -- cycle-log arithmetic ---------------------------------------------------------------
@@ -105,7 +106,7 @@ def parse_modes(value: str) -> list[tuple[str, int | str | None]]:
         kind, _, block = item.partition("@")
         if kind not in MODE_KINDS:
             raise ConfigError(f"unknown mode {item!r}; expected {', '.join(MODE_KINDS)} (optionally @WIDTH or @auto)")
-        if block and kind == "ar":
+        if block and kind in ("ar", "mlx_lm"):
             raise ConfigError(f"mode {item!r}: plain decoding has no block size")
         size: int | str | None = None
         if block:
@@ -176,8 +177,8 @@ def build_modes(requested: list[tuple[str, int | str | None]], drafters: dict[st
     modes, notes = [], []
     for kind, size in requested:
         size = size if size is not None else block_size
-        name = kind if size is None or kind == "ar" else f"{kind}@{size}"
-        if kind == "ar":
+        name = kind if size is None or kind in ("ar", "mlx_lm") else f"{kind}@{size}"
+        if kind in ("ar", "mlx_lm"):
             modes.append(Mode(name, kind))
             continue
         if kind not in drafters:
@@ -243,9 +244,42 @@ def default_encoder(target) -> Callable[[Prompt], list[int]]:
     return lambda prompt: session.encode(prompt.text)
 
 
+def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams) -> RunRecord:
+    """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate as mlx_stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.sample_utils import make_sampler
+
+    sampler = None if sampling.greedy else make_sampler(sampling.temperature, sampling.top_p,
+                                                        min_p=sampling.min_p, top_k=sampling.top_k)
+    if sampling.seed is not None:
+        mx.random.seed(sampling.seed)
+    tokens, text, last, t_first = [], [], None, None
+    t0 = time.perf_counter()
+    for r in mlx_stream_generate(target.model, target.tokenizer, mx.array(ids), max_tokens=max_tokens,
+                                 sampler=sampler, prompt_cache=make_prompt_cache(target.model)):
+        t_first = t_first or time.perf_counter()
+        if r.finish_reason != "stop" or r.token not in target.tokenizer.eos_token_ids:
+            tokens.append(r.token)  # its last response repeats no token but may carry the EOS
+        text.append(r.text)
+        last = r
+    t_end = time.perf_counter()
+    return RunRecord(
+        suite="", prompt_id="", mode="mlx_lm", n_prompt_tokens=len(ids), n_tokens=len(tokens),
+        finish_reason=last.finish_reason, prompt_tps=last.prompt_tps, ttft_s=t_first - t0,
+        decode_s=t_end - t_first, total_s=t_end - t0, peak_memory_gb=last.peak_memory, tokens=tokens,
+        text="".join(text), seed=sampling.seed, loop_period=loop_period(tokens),
+    )
+
+
 def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: SamplingParams,
              cache_dir=None) -> RunRecord:
     """Decode `ids` with `mode`, timing from the call to the last token."""
+    if mode.kind == "mlx_lm":
+        record = _run_mlx_lm(target, ids, max_tokens, sampling)
+        record.mode = mode.name
+        return record
     policy = mode.policy(target, cache_dir)  # before the clock: may load or measure a calibration
     tokens, cycles, text, last = [], [], [], None
     t0 = time.perf_counter()
@@ -293,10 +327,19 @@ class BenchReport:
     def summary(self, exclude_loops: bool = False) -> dict:
         loops = self.looping_prompts() if exclude_loops else set()
         kept = [r for r in self.records if (r.suite, r.prompt_id) not in loops]
-        by_suite = {s["name"]: summarize([r for r in kept if r.suite == s["name"]], self.mode_names)
+        by_suite = {s["name"]: self._overhead(summarize([r for r in kept if r.suite == s["name"]], self.mode_names))
                     for s in self.suites}
-        return {"overall": summarize(kept, self.mode_names), "by_suite": by_suite,
+        return {"overall": self._overhead(summarize(kept, self.mode_names)), "by_suite": by_suite,
                 "excluded_prompts": sorted(f"{s}/{p}" for s, p in loops)}
+
+    def _overhead(self, figures: dict) -> dict:
+        """Add each mode's mean cycle time over (drafter alone + verify alone): 1.0 = no overhead."""
+        isolated = {m["name"]: m.get("isolated") for m in self.modes}
+        for name, f in figures.items():
+            iso = isolated.get(name)
+            alone = iso["draft_ms"] + iso["verify_ms"] if iso else None
+            f["cycle_over_isolated"] = f["cycle_ms"] / alone if alone and f.get("cycle_ms") else None
+        return figures
 
     def to_json(self) -> dict:
         return {
@@ -339,13 +382,33 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
             "peak_memory_gb": max(r.peak_memory_gb for r in runs),
             "n_loops": sum(r.loop_period is not None for r in runs),
             "n_mismatch_vs_ar": sum(r.matches_ar is False for r in runs),
+            "cycle_ms": 1e3 * sum(c.draft_s + c.verify_s for c in spec) / len(spec) if spec else None,
+            "draft_ms": 1e3 * sum(c.draft_s for c in spec) / len(spec) if spec else None,
+            "verify_ms": 1e3 * sum(c.verify_s for c in spec) / len(spec) if spec else None,
         }
-    base = out.get(baseline)
+    base, reference = out.get(baseline), out.get("mlx_lm")
     for figures in out.values():
-        ok = base is not None and base["decode_tps"] and figures["decode_tps"]
-        figures["speedup"] = figures["decode_tps"] / base["decode_tps"] if ok else None
-        figures["e2e_speedup"] = figures["e2e_tps"] / base["e2e_tps"] if base is not None else None
+        figures["speedup"] = _ratio(figures["decode_tps"], base and base["decode_tps"])
+        figures["e2e_speedup"] = _ratio(figures["e2e_tps"], base and base["e2e_tps"])
+        figures["speedup_vs_mlx_lm"] = _ratio(figures["decode_tps"], reference and reference["decode_tps"])
     return out
+
+
+def _ratio(value, base) -> float | None:
+    return value / base if value and base else None
+
+
+def isolated_costs(target, mode: Mode, n_context: int, repeats: int = 3) -> dict | None:
+    """A fixed-width mode's drafter pass alone and verify pass alone (median ms, at `n_context`
+    tokens of context), against which its measured cycle time shows the engine's overhead."""
+    from .calibration import measure_costs
+
+    width = mode.width()
+    if mode.drafter is None or mode.block_size == "auto" or width is None:
+        return None
+    costs = measure_costs(target, mode.drafter, width, n_context=n_context, repeats=repeats)
+    return {"width": width, "n_context": n_context, "draft_ms": 1e3 * costs.draft_s[width - 1],
+            "verify_ms": 1e3 * costs.target_s[width - 1]}
 
 
 def _mark_matches(records: list[RunRecord]) -> None:
@@ -359,7 +422,7 @@ def _mark_matches(records: list[RunRecord]) -> None:
 def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens: int = DEFAULT_MAX_TOKENS,
               sampling: SamplingParams | None = None, encode: Callable[[Prompt], list[int]] | None = None,
               warmup: bool = True, on_run: Callable[[RunRecord], None] | None = None,
-              cache_dir=None) -> BenchReport:
+              cache_dir=None, isolated: bool = True) -> BenchReport:
     """Decode every prompt of every suite with every mode, interleaved; see the module doc.
 
     Args:
@@ -369,6 +432,7 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
         encode: Prompt -> token ids (default: the target's chat template).
         on_run: called after each run (progress).
         cache_dir: where `auto` block policies keep their calibration (default: user cache).
+        isolated: also time each fixed-width mode's drafter pass and verify pass alone.
     """
     names = [m.name for m in modes]
     if len(set(names)) != len(names):
@@ -396,12 +460,17 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
                 on_run(record)
     if sampling.greedy:
         _mark_matches(records)
+    described = [m.describe() for m in modes]
+    if isolated:  # after the runs, so that it never warms anything up for one mode only
+        n_context = sum(len(ids) for ids in encoded) // len(encoded) + max_tokens // 2
+        for info, mode in zip(described, modes):
+            info["isolated"] = isolated_costs(target, mode, n_context)
     settings = {"max_tokens": max_tokens, "sampling": sampling.to_dict(), "warmup": warmup,
                 "loop_window": LOOP_WINDOW, "loop_max_period": LOOP_MAX_PERIOD,
                 "n_prompts": len(prompts), "interleaved": True}
     suites_info = [{"name": s.name, "source": s.source, "available": s.available, "n": len(s.prompts)}
                    for s in suites]
-    return BenchReport(settings=settings, suites=suites_info, modes=[m.describe() for m in modes],
+    return BenchReport(settings=settings, suites=suites_info, modes=described,
                        records=records, machine=machine_info())
 
 
@@ -429,9 +498,14 @@ def plot_acceptance(report: BenchReport, path) -> None:
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
     for ax, (title, figures) in zip(axes.flat, panels):
         for mode, f in figures.items():
-            points = [(i + 1, v) for i, v in enumerate(f["acceptance_by_position"]) if v is not None]
+            points = [(i + 1, v, n) for i, (v, (_, n)) in enumerate(zip(f["acceptance_by_position"],
+                                                                       f["acceptance_counts"])) if v is not None]
             if points:
-                ax.plot(*zip(*points), marker="o", label=f"{mode} (τ {f['tau']:.2f})")
+                line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                                label=f"{mode} (τ {f['tau']:.2f})")
+                for x, y, n in points:  # how many cycles the point rests on; a thin point is faded
+                    ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(0, 5), fontsize=6,
+                                ha="center", color=line.get_color(), alpha=1.0 if n >= MIN_CYCLES else 0.4)
         ax.set_title(title)
         ax.set_xlabel("block position")
         ax.set_ylim(0, 1.02)
@@ -442,7 +516,7 @@ def plot_acceptance(report: BenchReport, path) -> None:
         ax.axis("off")
     axes[0][0].set_ylabel("P(accepted | earlier accepted)")
     fig.suptitle(f"Acceptance by block position ({report.settings['n_prompts']} prompts, "
-                 f"T={report.settings['sampling']['temperature']})")
+                 f"T={report.settings['sampling']['temperature']}; labels: cycles that reached each position)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

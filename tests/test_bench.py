@@ -202,3 +202,31 @@ def test_sampled_runs_share_a_seed_per_prompt_across_modes():
     assert [seeds[(p, "ar")] for p in "012"] == [5, 6, 7]
     assert all(seeds[(p, "ar")] == seeds[(p, "dflash2")] for p in "012")
     assert all(r.matches_ar is None for r in report.records)  # outputs may differ at T > 0
+
+
+def test_mlx_lm_reference_mode_and_isolated_costs(tmp_path):
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    v2 = tiny_drafter(target, "dflash2", block_size=5)
+    modes = [Mode("mlx_lm", "mlx_lm"), Mode("ar", "ar"), Mode("dflash2@4", "dflash2", v2, 4, drafter_path="v2")]
+    suites = [SuitePrompts("math", [Prompt("math", str(i), f"{i} plus {i} is") for i in range(2)], "test", 2)]
+    report = run_bench(target, modes, suites, max_tokens=20, encode=lambda p: target.tokenizer.encode(p.text),
+                       cache_dir=tmp_path)
+    runs = {(r.mode, r.prompt_id): r for r in report.records}
+    for pid in ("0", "1"):  # mlx-lm's own loop emits exactly our plain tokens
+        assert runs[("mlx_lm", pid)].tokens == runs[("ar", pid)].tokens and runs[("mlx_lm", pid)].matches_ar
+        assert runs[("mlx_lm", pid)].cycles == [] and runs[("mlx_lm", pid)].n_tokens == 20
+    overall = report.summary()["overall"]
+    assert overall["mlx_lm"]["speedup_vs_mlx_lm"] == 1.0
+    assert overall["ar"]["speedup_vs_mlx_lm"] == pytest.approx(overall["ar"]["decode_tps"]
+                                                               / overall["mlx_lm"]["decode_tps"])
+    iso = {m["name"]: m.get("isolated") for m in report.modes}
+    assert iso["mlx_lm"] is None and iso["ar"] is None
+    assert iso["dflash2@4"]["width"] == 4 and iso["dflash2@4"]["draft_ms"] > 0 and iso["dflash2@4"]["verify_ms"] > 0
+    spec = overall["dflash2@4"]
+    alone = iso["dflash2@4"]["draft_ms"] + iso["dflash2@4"]["verify_ms"]
+    assert spec["cycle_over_isolated"] == pytest.approx(spec["cycle_ms"] / alone)
+    assert spec["cycle_ms"] == pytest.approx(spec["draft_ms"] + spec["verify_ms"])
+    with pytest.raises(ConfigError, match="no block size"):
+        parse_modes("mlx_lm@4")
