@@ -64,6 +64,10 @@ def render(report: dict) -> list[str]:
     speed = "fast" if active["fast"] else "slow" if active["fast"] is False else "unknown"
     lines.append(f"BLAS: {active['name']} ({speed}){' · ' + active['library'] if active['library'] else ''}")
     lines.append(f"  CLI re-exec: {blas['cli_reexec']} · opt out: {blas['opt_out']} · {blas['advice']}")
+    if blas.get("found"):
+        found = blas["found"]
+        lines.append(f"  fast BLAS found: {found['name']} {found['library']} ({found['source']})"
+                     + "".join(f" {k}={v}" for k, v in found["env"].items()))
     lines.append(f"cache: {cache['home']} ({_gb(cache['home_bytes'])})")
     lines += [f"  {e['path']} ({_gb(e['bytes'])})" for e in cache["entries"]]
     repos = ", ".join(f"{r['repo']} ({_gb(r['bytes'])})" for r in cache["hf_registry_repos"]) or "none"
