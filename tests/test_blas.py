@@ -127,6 +127,43 @@ def test_warning_only_for_the_reference_blas(monkeypatch):
     assert _blas.slow_blas_warning() is None
 
 
+@pytest.mark.parametrize("active", [REFERENCE, OPENBLAS])
+def test_run_and_bench_print_the_warning_once_and_only_on_the_reference_blas(active, pair, isolated, monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash2_mlx.cli import app
+
+    monkeypatch.setattr(_blas, "active_blas", lambda: active)
+    target, drafter = pair
+    run = ["run", str(target), "Hello", "--drafter", str(drafter), "-n", "6"]
+    bench = ["bench", str(target), "--drafter", str(drafter), "--modes", "ar,dflash2", "--suite", "mtbench",
+             "--n", "1", "--max-tokens", "4", "--bundled", "--no-warmup"]
+    for args in (run, bench):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        assert result.stderr.count("slow reference BLAS") == (0 if active["fast"] else 1), result.stderr
+
+
+def test_serve_prints_the_warning_before_serving(pair, isolated, monkeypatch):
+    """The server itself is stubbed out: only the lines `dflash2 serve` prints first matter here."""
+    import dflash2_mlx.server
+    from typer.testing import CliRunner
+
+    from dflash2_mlx.cli import app, serve
+
+    def stop(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(_blas, "active_blas", lambda: REFERENCE)
+    monkeypatch.setattr(dflash2_mlx.server, "serve", lambda session, config, on_ready: None)
+    monkeypatch.setattr(serve.os, "_exit", stop)
+    monkeypatch.setattr(serve.faulthandler, "enable", lambda *a, **k: None)  # CliRunner's stderr has no fileno
+    target, drafter = pair
+    result = CliRunner().invoke(app, ["serve", str(target), "--drafter", str(drafter), "--port", "0"])
+    assert result.exit_code == 0, result.output
+    assert result.stderr.count("slow reference BLAS") == 1, result.stderr
+
+
 # -- a real process on a machine without a system OpenBLAS ----------------------------------
 
 

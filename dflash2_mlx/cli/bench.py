@@ -9,10 +9,11 @@ from typing import Annotated, Optional
 import typer
 
 from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, ModelArg, SeedOpt, TempOpt, TopPOpt, print_json, \
-    user_errors
+    user_errors, warn_slow_blas
 
 EXAMPLES = """
-Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]dflash[/bold] = the DFlash v1 drafter \
+Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]mlx_lm[/bold] = mlx_lm.stream_generate \
+itself on the same model (the reference: adds a "× mlx-lm" column); [bold]dflash[/bold] = the DFlash v1 drafter \
 (--drafter-v1, default: the registry's v1 drafter for this target); [bold]dflash2[/bold] = the DFlash 2 \
 drafter (--drafter, default: the registry's). Append @WIDTH or @auto to a mode to set its block size, \
 e.g. dflash2@4; otherwise --block-size (or the drafter's own) applies.
@@ -25,6 +26,8 @@ Examples:
   dflash2 bench                           # demo pair: 5 suites x 8 prompts
 
   dflash2 bench --suite gsm8k,humaneval --n 4 --max-tokens 128 --json b.json --plot b.png
+
+  dflash2 bench --modes mlx_lm,ar,dflash2@4                # against mlx-lm itself
 
   dflash2 bench --modes ar,dflash2@2,dflash2@4,dflash2@8,dflash2@auto   # fixed vs auto
 
@@ -86,8 +89,10 @@ def bench(
     err = _console(sys.stderr)
     target, drafters, notes, spec = _open_pair(model, drafter, drafter_v1, draft_bits, progress=json_out != "-")
     if calibrate:
+        warn_slow_blas()
         return _calibrate(target, drafters, out, size)
     mode_list, mode_notes = lib.build_modes(requested, drafters, size, required=modes is not None)
+    warn_slow_blas()
     notes += mode_notes
     for note in notes:
         err.print(f"[yellow]note:[/yellow] {note}")
@@ -236,15 +241,21 @@ def speed_table(title: str, figures: dict, clean: dict, adaptive: set[str] = fro
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for col in ("mode", "runs", "prefill tok/s", "TTFT ms", "decode tok/s", "speedup", "w/o loops", "τ",
-                "width", "peak GB", "loops", "≠ AR"):
+    reference = any(f.get("speedup_vs_mlx_lm") for f in figures.values())
+    columns = ["mode", "runs", "prefill tok/s", "TTFT ms", "decode tok/s", "speedup", "w/o loops"]
+    columns += ["× mlx-lm"] if reference else []
+    columns += ["τ", "width", "cycle ms", "cycle/(d+v)", "peak GB", "loops", "≠ AR"]
+    for col in columns:
         table.add_column(col, justify="left" if col == "mode" else "right")
     for mode, f in figures.items():
         c = clean.get(mode, {})
-        table.add_row(mode, str(f["n_runs"]), _f(f["prompt_tps"], ".0f"), _f(1e3 * f["ttft_s"], ".0f"),
-                      _f(f["decode_tps"], ".1f"), _times(f["speedup"]), _times(c.get("speedup")),
-                      _f(f["tau"], ".2f"), _width(f, mode in adaptive), _f(f["peak_memory_gb"], ".2f"), str(f["n_loops"]),
-                      str(f["n_mismatch_vs_ar"]))
+        cells = [mode, str(f["n_runs"]), _f(f["prompt_tps"], ".0f"), _f(1e3 * f["ttft_s"], ".0f"),
+                 _f(f["decode_tps"], ".1f"), _times(f["speedup"]), _times(c.get("speedup"))]
+        cells += [_times(f.get("speedup_vs_mlx_lm"))] if reference else []
+        cells += [_f(f["tau"], ".2f"), _width(f, mode in adaptive), _f(f.get("cycle_ms"), ".1f"),
+                  _f(f.get("cycle_over_isolated"), ".2f"), _f(f["peak_memory_gb"], ".2f"), str(f["n_loops"]),
+                  str(f["n_mismatch_vs_ar"])]
+        table.add_row(*cells)
     return table
 
 
@@ -267,14 +278,15 @@ def acceptance_table(summary: dict):
     rows = [(scope, mode, f) for scope, figs in [("all", summary["overall"]), *summary["by_suite"].items()]
             for mode, f in figs.items() if f["tau"] is not None]
     depth = max((len(f["acceptance_by_position"]) for _, _, f in rows), default=0)
-    table = Table(title="P(draft accepted | earlier drafts accepted) by block position", title_justify="left")
+    table = Table(title="P(draft accepted | earlier drafts accepted) by block position (cycles that reached it)",
+                  title_justify="left")
     table.add_column("suite")
     table.add_column("mode")
     table.add_column("τ", justify="right")
     for i in range(depth):
         table.add_column(str(i + 1), justify="right")
     for scope, mode, f in rows:
-        cells = [_f(v, ".2f") for v in f["acceptance_by_position"]]
+        cells = [f"{_f(v, '.2f')} ({n})" for v, (_, n) in zip(f["acceptance_by_position"], f["acceptance_counts"])]
         table.add_row(scope, mode, _f(f["tau"], ".2f"), *(cells + [""] * (depth - len(cells))))
     return table
 

@@ -62,6 +62,17 @@ def print_json(obj) -> None:
     sys.stdout.flush()
 
 
+def warn_slow_blas() -> None:
+    """One stderr line when MLX computes on the slow reference BLAS; call once per command."""
+    import mlx.core  # noqa: F401  (loads the BLAS that active_blas() looks for)
+
+    from .. import blas
+
+    line = blas.slow_blas_warning()
+    if line:
+        typer.echo(line, err=True)
+
+
 def prepare_process() -> None:
     """Process-wide setup before any command runs (e.g. a faster BLAS on Linux)."""
     import os

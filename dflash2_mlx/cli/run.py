@@ -20,6 +20,7 @@ from .common import (
     TopPOpt,
     print_json,
     user_errors,
+    warn_slow_blas,
 )
 
 EXAMPLES = """
@@ -65,6 +66,7 @@ def run(
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out)
     sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
+    warn_slow_blas()
     template = dict(system=system, raw=no_chat_template, think=think)
     if prompt is None:
         if json_out or not sys.stdin.isatty():

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, JsonOpt, ModelArg, user_errors
+from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, JsonOpt, ModelArg, user_errors, warn_slow_blas
 
 EXAMPLES = """
 Examples:
@@ -102,6 +102,7 @@ def serve(
                    "shell history); set DFLASH2_API_KEY instead", err=True)
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out)
+    warn_slow_blas()
     if host not in LOOPBACK and api_key is None:
         typer.echo(f"warning: listening on {host} without --api-key; anyone who can reach it can use it", err=True)
     if host in ("0.0.0.0", "::") and "*" not in config.allowed_hosts:
