@@ -246,6 +246,12 @@ class Target:
         return None if isinstance(emb, nn.QuantizedEmbedding) else emb.weight
 
     @property
+    def quantized_head(self) -> nn.Module | None:
+        """The quantized head (a QuantizedLinear, or the tied QuantizedEmbedding), or None when dense."""
+        head = self._head if isinstance(self._head, nn.Module) else self.inner.embed_tokens
+        return head if isinstance(head, (nn.QuantizedLinear, nn.QuantizedEmbedding)) else None
+
+    @property
     def activation_dtype(self):
         """The float dtype the decoder computes in (its embedding's, or the quantization scales')."""
         emb = self.inner.embed_tokens

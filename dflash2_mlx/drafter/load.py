@@ -21,6 +21,7 @@ from mlx.utils import tree_flatten
 from ..errors import ConfigError, ResolveError, WeightsError
 from .config import DrafterConfig, check_fits, parse_config
 from .model import Drafter
+from .vocab import resolve_vocab
 
 _CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 _MUSE_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
@@ -133,7 +134,7 @@ def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=No
 
 
 def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype: str | None = None,
-                 head_bits: int | None = None) -> Drafter:
+                 head_bits: int | None = None, draft_vocab: int | None = None) -> Drafter:
     """Load a DFlash / DFlash 2 drafter (local dir or HF repo) and bind it to `target`.
 
     Args:
@@ -141,6 +142,8 @@ def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype
         dtype: cast its weights ("float32", "bfloat16", "float16").
         head_bits: draft through a private 4- or 8-bit copy of the target's head (see
             `Drafter.quantize_head`); needs `target`.
+        draft_vocab: propose among the top N ids of the drafter's `proposal_vocab.json`
+            (None: the file's default size when the file is there; 0: the full head).
     Raises:
         ConfigError, WeightsError, IncompatibleDrafterError, ResolveError.
     """
@@ -152,6 +155,9 @@ def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype
         if head_bits not in (4, 8) or target is None:
             raise ConfigError(f"head_bits must be 4 or 8 with a target, got {head_bits}")
         model.quantize_head(head_bits)
+    vocab = resolve_vocab(path, model.config.vocab_size, draft_vocab)
+    if vocab is not None and target is not None:
+        model.use_proposal_vocab(vocab)
     return model
 
 

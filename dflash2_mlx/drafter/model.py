@@ -17,9 +17,11 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..caches import WindowKVCache
+from ..errors import ConfigError
 from .config import DrafterConfig, check_fits
 from .conv import GroupedDynamicCausalConv
 from .selector import CandidateSelector, Proposal
+from .vocab import ProposalVocab, head_rows
 
 
 class MLP(nn.Module):
@@ -91,9 +93,10 @@ class DraftAttention(nn.Module):
         B, _, L, _ = q.shape
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
-    def __call__(self, x: mx.array, ctx: mx.array, cache, rope) -> mx.array:
+    def __call__(self, x: mx.array, ctx: mx.array, cache, rope, masks: dict | None = None) -> mx.array:
         """Inference: x is the block [B, L, H]; ctx holds the new fused context rows [B, S, H]
-        (S may be 0), appended to `cache` at their absolute positions."""
+        (S may be 0), appended to `cache` at their absolute positions. `masks` memoises the
+        block masks of one proposal across layers."""
         L = x.shape[1]
         if ctx.shape[1]:
             k_ctx, v_ctx = cache.update_and_fetch(*self.context_kv(ctx, rope, cache.offset))
@@ -102,7 +105,11 @@ class DraftAttention(nn.Module):
         q, k_blk, v_blk = self.block_qkv(x, rope, cache.offset)
         keys = mx.concatenate([k_ctx, k_blk], axis=2)
         values = mx.concatenate([v_ctx, v_blk], axis=2)
-        return self.attend(q, keys, values, block_attention_mask(k_ctx.shape[2], L, self.window, self.causal))
+        spec = (k_ctx.shape[2], L, self.window, self.causal)
+        masks = {} if masks is None else masks
+        if spec not in masks:
+            masks[spec] = block_attention_mask(*spec)
+        return self.attend(q, keys, values, masks[spec])
 
 
 class DraftLayer(nn.Module):
@@ -145,7 +152,11 @@ class Drafter(nn.Module):
                                     max_position_embeddings=c.max_position_embeddings)
         self.target = None
         self.path: str | None = None
-        self._draft_head = None  # optional private quantized head (underscore: not a parameter)
+        # Optional private head (quantized and/or over the proposal rows); underscores: not parameters.
+        self._draft_head = None
+        self._head_bits: tuple[int, int] | None = None
+        self._proposal_ids: mx.array | None = None
+        self.proposal_vocab: ProposalVocab | None = None
 
     def bind(self, target) -> "Drafter":
         """Share `target`'s embedding and head; fails first if the two do not fit."""
@@ -154,7 +165,8 @@ class Drafter(nn.Module):
         return self
 
     def quantize_head(self, bits: int, group_size: int = 64) -> bool:
-        """Draft through a private `bits`-bit copy of the target's head.
+        """Draft through a private `bits`-bit copy of the target's head (of its proposal rows
+        when a proposal vocab is active).
 
         The drafter reads the full head once per block, which for a small unquantized target is
         a large share of a draft's cost. Verification keeps the target's exact head, so output is
@@ -162,14 +174,29 @@ class Drafter(nn.Module):
         head is already quantized (nothing to gain). Meant for Apple GPUs: MLX's CPU backend runs
         quantized matmuls slower than dense ones (measured 3x slower drafts on this project's CI).
         """
-        weight = self._require_target().dense_head_weight
-        if weight is None:
+        if self._require_target().dense_head_weight is None:
             return False
-        dense = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
-        dense.weight = weight
-        self._draft_head = nn.QuantizedLinear.from_linear(dense, group_size, bits)
-        mx.eval(self._draft_head.parameters())
+        self._head_bits = (bits, group_size)
+        self._build_draft_head()
         return True
+
+    def use_proposal_vocab(self, vocab: ProposalVocab | None) -> None:
+        """Propose only among `vocab.ids` (a compact head over those rows); None: the full head.
+
+        Verification and output are unchanged; see `drafter/vocab.py` for why it stays exact.
+        """
+        if vocab is not None and vocab.vocab_size != self.config.vocab_size:
+            raise ConfigError(f"proposal vocab ranks {vocab.vocab_size} ids, the drafter has {self.config.vocab_size}")
+        self.proposal_vocab = vocab
+        self._proposal_ids = None if vocab is None else vocab.ids
+        self._build_draft_head()
+
+    def _build_draft_head(self) -> None:
+        if self._proposal_ids is None and self._head_bits is None:
+            self._draft_head = None
+            return
+        bits, group = self._head_bits or (None, 64)
+        self._draft_head = head_rows(self._require_target(), self._proposal_ids, bits, group)
 
     def _fc_in_features(self) -> int:
         w = self.fc.weight
@@ -202,14 +229,25 @@ class Drafter(nn.Module):
         if self.config.input_embedding_scale != 1.0:
             x = x * self.config.input_embedding_scale
         ctx = self.fuse_context(target_hidden)
+        masks: dict = {}  # layers of one kind share one mask per proposal
         for layer, kv in zip(self.layers, cache):
-            x = layer(x, lambda attn, u, kv=kv: attn(u, ctx, kv, self.rope))
+            x = layer(x, lambda attn, u, kv=kv: attn(u, ctx, kv, self.rope, masks))
         return self.norm(x)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        """Draft logits through the target's head, then the drafter's own transforms."""
+        """Draft logits over the whole vocab through the target's head (or its full quantized
+        copy), then the drafter's own transforms."""
         target = self._require_target()
-        out = self._draft_head(hidden) if self._draft_head is not None else target.head(hidden)
+        full_copy = self._draft_head is not None and self._proposal_ids is None
+        return self._transform(self._draft_head(hidden) if full_copy else target.head(hidden))
+
+    def proposal_logits(self, hidden: mx.array) -> tuple[mx.array, mx.array | None]:
+        """(logits the proposals are drawn from, vocab id of each column or None when all V)."""
+        if self._proposal_ids is None:
+            return self.logits(hidden), None
+        return self._transform(self._draft_head(hidden)), self._proposal_ids
+
+    def _transform(self, out: mx.array) -> mx.array:
         if self.config.output_multiplier != 1.0:
             out = out * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -224,13 +262,15 @@ class Drafter(nn.Module):
 
         v2 walks the selector (sampled when temperature > 0, which yields q); v1 proposes the
         argmax of each position (one-hot q at any temperature, the exact choice for a drafter
-        whose positions are sampled independently).
+        whose positions are sampled independently). With a proposal vocab, both draw from its
+        ids only.
         """
         B = anchor.shape[0]
         masks = mx.full((B, block_size - 1), self.config.mask_token_id, dtype=anchor.dtype)
         block = mx.concatenate([anchor[:, None], masks], axis=1)
         hidden = self.hidden_states(block, target_hidden, cache)[:, 1:]
-        logits = self.logits(hidden)
+        logits, ids = self.proposal_logits(hidden)
         if self.config.is_v2:
-            return self.candidate_selector(hidden, logits, anchor, temperature, key, use_kernel)
-        return Proposal(tokens=mx.argmax(logits, axis=-1).astype(mx.int32), logits=logits)
+            return self.candidate_selector(hidden, logits, anchor, temperature, key, use_kernel, vocab_ids=ids)
+        tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+        return Proposal(tokens=tokens if ids is None else ids[tokens], logits=logits, vocab_ids=ids)

@@ -33,13 +33,16 @@ class Proposal:
     candidates: [B, L, k] the top-k ids per position, or None (v1)
     q:          [B, L, k] proposal probabilities over `candidates` (sampled walk), or None
                 when proposals are deterministic (greedy; q is then one-hot on `tokens`)
-    logits:     [B, L, V] the draft logits (kept for diagnostics; lazily evaluated)
+    logits:     [B, L, V] the draft logits (kept for diagnostics; lazily evaluated), or
+                [B, L, K] over a proposal vocab
+    vocab_ids:  [K] the vocab id of each logits column with a proposal vocab, else None
     """
 
     tokens: mx.array
     candidates: mx.array | None = None
     q: mx.array | None = None
     logits: mx.array | None = None
+    vocab_ids: mx.array | None = None
 
 
 def topk_candidates(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
@@ -145,13 +148,17 @@ class CandidateSelector(nn.Module):
         return pred, succ
 
     def __call__(self, hidden: mx.array, logits: mx.array, anchor: mx.array, temperature: float,
-                 key: mx.array | None = None, use_kernel: bool | None = None) -> Proposal:
+                 key: mx.array | None = None, use_kernel: bool | None = None,
+                 vocab_ids: mx.array | None = None) -> Proposal:
         """Pick a path through the top-k candidates of each position.
 
-        Shapes: hidden [B, L, H] (final-normed), logits [B, L, V], anchor [B].
+        Shapes: hidden [B, L, H] (final-normed), logits [B, L, V] (or [B, L, K] over the
+        proposal vocab `vocab_ids [K]`, whose columns map back to vocab ids), anchor [B].
         `key` seeds the sampled walk (required when temperature > 0).
         """
         candidates, unary = topk_candidates(logits, min(self.top_k, logits.shape[-1]))
+        if vocab_ids is not None:
+            candidates = vocab_ids[candidates]
         gate = self.hidden_projection(hidden)
         uniforms = None
         if temperature > 0:
@@ -161,4 +168,4 @@ class CandidateSelector(nn.Module):
         pred, succ = self.codebooks()
         idx, q = select(candidates, unary, gate, pred, succ, anchor, temperature, uniforms, use_kernel)
         tokens = mx.take_along_axis(candidates, idx[..., None], axis=-1)[..., 0]
-        return Proposal(tokens=tokens, candidates=candidates, q=q, logits=logits)
+        return Proposal(tokens=tokens, candidates=candidates, q=q, logits=logits, vocab_ids=vocab_ids)
