@@ -115,6 +115,8 @@ class _Run:
     history: list[int]
     processors: list
     pending_ctx: list = field(default_factory=list)
+    queued: mx.array | None = None  # the next plain step's token, queued but not read back
+    decided: int | None = None  # the next cycle's width, picked while that token was queued
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -208,7 +210,7 @@ def _cap_context(run: _Run, limit: int | None) -> None:
 
 def _choose(run: _Run, logits: mx.array, block: list[int], key: mx.array) -> mx.array:
     """The target's own pick for each row of logits [R, V] (greedy or sampled)."""
-    logits = process_rows(logits, run.history, block, run.processors)
+    logits = process_rows(logits, run.history, block, run.processors, run.params.penalty_context)
     if run.params.greedy:
         return mx.argmax(logits, axis=-1)
     return mx.random.categorical(mx.log(target_probs(logits, run.params)), key=key)
@@ -220,40 +222,32 @@ def _take_context(run: _Run) -> mx.array:
     return ctx
 
 
-def _step_plain(run: _Run) -> tuple[list[int], CycleStats]:
-    t0 = time.perf_counter()
-    anchor = mx.array([[run.history[-1]]])
-    logits, hidden = run.target.forward(anchor, run.target_cache, run.taps, "last")
+def _queue_plain(run: _Run, token_in: mx.array) -> mx.array:
+    """Queue one plain decoding step after `token_in` (host or lazy); its token stays lazy."""
+    logits, hidden = run.target.forward(token_in.reshape(1, 1), run.target_cache, run.taps, "last")
     token = _choose(run, logits[0], [], run.next_key())
     if hidden is not None:
         run.pending_ctx.append(hidden)
         if len(run.pending_ctx) > 32:  # long plain stretches: keep the list short
             run.pending_ctx = [mx.concatenate(run.pending_ctx, axis=1)]
         _cap_context(run, run.drafter.config.context_limit)
-    token = int(token.item())
+    mx.async_eval(token)
+    return token
+
+
+def _step_plain(run: _Run, lookahead=None) -> tuple[list[int], CycleStats]:
+    """One plain step. With `lookahead` (a function giving the next cycle's width), a next
+    plain step is queued before this token is read back, as mlx-lm's `generate_step` does,
+    so graph building overlaps compute; without it, the step-by-step twin."""
+    t0 = time.perf_counter()
+    current = run.queued if run.queued is not None else _queue_plain(run, mx.array([run.history[-1]]))
+    run.queued = None
+    if lookahead is not None:
+        run.decided = lookahead()
+        if run.decided == 1:
+            run.queued = _queue_plain(run, current)
+    token = int(current.item())
     return [token], CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)
-
-
-def _pipelined_plain(run: _Run, budget: int):
-    """Plain decoding as mlx-lm's `generate_step` does it: step t+1 is queued on the device
-    before step t's token is read back, so graph building overlaps compute. Yields up to
-    `budget` (token, CycleStats); the fast twin of repeated `_step_plain` (no drafter, no
-    penalties: both need each token on the host before the next step)."""
-
-    def queue(token_in: mx.array) -> mx.array:
-        logits, _ = run.target.forward(token_in.reshape(1, 1), run.target_cache, (), "last")
-        token = _choose(run, logits[0], [], run.next_key())
-        mx.async_eval(token)
-        return token
-
-    nxt = queue(mx.array([run.history[-1]]))
-    for i in range(budget):
-        t0 = time.perf_counter()
-        current = nxt
-        if i + 1 < budget:
-            nxt = queue(current)
-        token = int(current.item())
-        yield token, CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)
 
 
 def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
@@ -272,7 +266,8 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
-    rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors)
+    rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors,
+                        run.params.penalty_context)
     if run.params.greedy:
         outputs = (mx.argmax(rows, axis=-1),)
     else:
@@ -371,8 +366,8 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         kv_bits: quantize the target's full-attention KV cache to 4 or 8 bits.
         on_prefill: optional `(n_done, n_total) -> bool | None`, called before each prompt
             chunk; returning False cancels: the generator ends without yielding anything.
-        pipelined: plain decoding (no drafter, no penalties) queues each step before reading
-            the last token back, as mlx-lm does; False runs the one-step-at-a-time twin.
+        pipelined: plain steps (without penalties) queue the next step before reading the last
+            token back, as mlx-lm does; False runs the one-step-at-a-time twin.
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
@@ -409,13 +404,11 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         kept, finish = stopper.feed([first])
         run.history.append(first)
         yield event(kept, None, finish)
-        plain = None
-        if drafter is None and not run.processors and pipelined and finish is None:
-            plain = _pipelined_plain(run, max_tokens - len(stopper.tokens))
+        pipeline = pipelined and not run.processors  # penalties need each token on the host first
         n_cycles = 0
         while finish is None:
             with mx.stream(generation_stream()):
-                emitted, cycle = _next_cycle(run, plain, width, max_tokens - len(stopper.tokens), block_policy)
+                emitted, cycle = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy, pipeline)
             kept, finish = stopper.feed(emitted)
             run.history.extend(emitted)
             n_cycles += 1
@@ -424,14 +417,24 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             yield event(kept, cycle, finish)
 
 
-def _next_cycle(run: _Run, plain, width: int, left: int, block_policy) -> tuple[list[int], CycleStats]:
-    """The next cycle's emitted tokens: from the plain pipeline, or a step of the chosen width."""
-    if plain is not None:
-        token, cycle = next(plain)
-        return [token], cycle
+def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:
+    """The next cycle's width: 1 (plain) without a drafter, else the policy's or the cap."""
     cap = min(width, left)  # never draft past max_tokens
-    w = min(block_policy.next_width(cap), cap) if block_policy is not None else cap
-    emitted, cycle = _step_speculative(run, w) if run.drafter is not None and w >= 2 else _step_plain(run)
+    if run.drafter is None:
+        return 1
+    return min(block_policy.next_width(cap), cap) if block_policy is not None else cap
+
+
+def _next_cycle(run: _Run, width: int, left: int, block_policy, pipeline: bool) -> tuple[list[int], CycleStats]:
+    """Run the next cycle: a speculative step of the chosen width, or a plain step that, when
+    pipelining, already picks (and for a plain one, queues) the cycle after it."""
+    w = run.decided if run.decided is not None else _pick_width(run, width, left, block_policy)
+    run.decided = None
+    if w >= 2:
+        emitted, cycle = _step_speculative(run, w)
+    else:
+        ahead = (lambda: _pick_width(run, width, left - 1, block_policy)) if pipeline and left > 1 else None
+        emitted, cycle = _step_plain(run, ahead)
     if block_policy is not None:
         block_policy.observe(cycle)
     return emitted, cycle

@@ -80,14 +80,19 @@ def make_processors(params: SamplingParams) -> list:
     )
 
 
-def process_rows(logits: mx.array, history: list[int], block: list[int], processors: list) -> mx.array:
+def process_rows(logits: mx.array, history: list[int], block: list[int], processors: list,
+                 window: int | None = None) -> mx.array:
     """Apply logits processors row by row, each row seeing the tokens before it.
 
     Shapes: logits [L, V]; row i follows `history + block[:i]` (block = the verify inputs
-    after the anchor, i.e. the drafted tokens).
+    after the anchor, i.e. the drafted tokens). `window`: the most recent tokens the
+    processors read (mlx-lm's penalties look at their context size only), so a long history
+    is not copied for every row.
     """
     if not processors:
         return logits
+    if window is not None:
+        history = history[-window:]
     rows = []
     for i in range(logits.shape[0]):
         tokens = mx.array(history + block[:i])

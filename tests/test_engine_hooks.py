@@ -65,3 +65,50 @@ def test_pipelined_plain_decoding_equals_the_step_by_step_twin():
             assert fast.tokens == slow.tokens and len(fast.tokens) == 40, family
             assert [c.width for c in fast.cycles] == [1] * 39
 
+
+
+class ScriptedWidths:
+    """A block policy replaying a fixed width pattern, whatever it observes."""
+
+    def __init__(self, pattern):
+        self.pattern, self.i, self.seen = pattern, 0, []
+
+    def next_width(self, max_width):
+        w = self.pattern[self.i % len(self.pattern)]
+        self.i += 1
+        return min(w, max_width)
+
+    def observe(self, cycle):
+        self.seen.append(cycle.width)
+
+
+def test_pipelined_plain_steps_between_speculative_ones_equal_the_twin():
+    from dflash2_mlx import SamplingParams
+
+    pattern = [1, 1, 3, 1, 4, 4, 1, 1, 1, 2]
+    for family in ("llama", "qwen3_5", "gemma3_text"):
+        target = tiny_target(family)
+        drafter = tiny_drafter(target, "dflash2", block_size=4, sliding_window=12)
+        for sampling in (None, SamplingParams(temperature=0.8, seed=5)):
+            runs = [generate(target, drafter, PROMPT, max_tokens=40, sampling=sampling, block_size=4,
+                             block_policy=ScriptedWidths(pattern), pipelined=p) for p in (True, False)]
+            assert runs[0].tokens == runs[1].tokens, (family, sampling)
+            assert [c.width for c in runs[0].cycles] == [c.width for c in runs[1].cycles]
+        assert {c.width for c in runs[0].cycles} == {1, 2, 3, 4}
+
+
+def test_penalties_read_only_their_window_of_a_long_history():
+    import mlx.core as mx
+
+    from dflash2_mlx import SamplingParams
+    from dflash2_mlx.sampling import make_processors, process_rows
+
+    params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, penalty_context=20)
+    history = [(7 * i) % 90 + 3 for i in range(500)]
+    logits = mx.random.normal((4, 97), key=mx.random.key(0))
+    block = [5, 9, 9]
+    full = process_rows(logits, history, block, make_processors(params))
+    windowed = process_rows(logits, history, block, make_processors(params), window=params.penalty_context)
+    assert mx.array_equal(full, windowed)
+    plain = process_rows(logits, history, block, [])
+    assert not mx.array_equal(full, plain)  # the penalties did act
