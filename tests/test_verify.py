@@ -237,8 +237,19 @@ def _real_v2(target):
     return tiny_drafter(target, "dflash2", block_size=3, top_k=8)
 
 
+def _compact_v2(target):
+    # Even ids only: the target's top-4 support straddles the subset, so q = 0 on part of it.
+    from dflash2_mlx.drafter.vocab import ProposalVocab
+    from tiny import VOCAB
+
+    drafter = _real_v2(target)
+    drafter.use_proposal_vocab(ProposalVocab(tuple(range(0, VOCAB, 2)), VOCAB, 49, 49))
+    return drafter
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("make_drafter", [_real_v2, lambda t: OverlapDrafter(t, E2E_PROMPT)], ids=["dflash2", "overlap"])
+@pytest.mark.parametrize("make_drafter", [_real_v2, _compact_v2, lambda t: OverlapDrafter(t, E2E_PROMPT)],
+                         ids=["dflash2", "dflash2-compact-head", "overlap"])
 def test_engine_emits_the_target_distribution(make_drafter):
     target, counts = _engine_first_three(make_drafter, 2000, seed0=0)
     joint = _exact_joint(target)
