@@ -9,6 +9,7 @@ the two ways results are shown.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -83,6 +84,23 @@ class Session:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **kw)
 
     # -- generation ---------------------------------------------------------------------
+
+    def prepare(self, progress=None) -> str | None:
+        """The one-time work before the first generation, done now rather than inside it: for
+        `--block-size auto`, this machine's cost calibration (measured once, then cached).
+        Returns a line saying what the policy starts from, or None when there is nothing to do."""
+        if self.drafter is None or self.block_size != "auto" or self._policy is not None:
+            return None
+        from .block_policy import auto_policy
+
+        t0 = time.perf_counter()
+        self._policy = auto_policy(self.target, self.drafter, progress=progress)
+        costs, seconds = self._policy.costs, time.perf_counter() - t0
+        ratios = " ".join(f"{costs.cycle_s(w) / costs.cycle_s(1):.2f}" for w in range(2, costs.max_width + 1))
+        verdict = "can" if self._policy.can_ever_win(costs.max_width) else "cannot"
+        return (f"block size auto: calibration ready in {seconds:.1f} s; a cycle of width 2..{costs.max_width} "
+                f"costs {ratios} plain steps here, so speculation {verdict} beat plain decoding; the width "
+                "follows the measured acceptance, down to plain decoding when drafts do not pay")
 
     def _width_and_policy(self):
         if self.drafter is None:

@@ -232,3 +232,25 @@ def test_fixed_policy_is_the_engine_without_a_policy():
     b = generate(target, drafter, prompt, max_tokens=30, block_size=5, block_policy=FixedBlockPolicy(5))
     assert a.tokens == b.tokens
     assert [(c.width, c.n_accepted) for c in a.cycles] == [(c.width, c.n_accepted) for c in b.cycles]
+
+
+def test_session_prepare_calibrates_before_the_first_generation(isolated, monkeypatch):
+    from dflash2_mlx import block_policy
+    from dflash2_mlx.session import Session
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    assert Session(spec=None, target=target, drafter=drafter, block_size=4).prepare() is None
+    session = Session(spec=None, target=target, drafter=drafter, block_size="auto")
+    line = session.prepare()
+    assert line.startswith("block size auto: calibration ready in") and "width 2..4" in line
+    policy = session._policy
+    assert policy is not None and session.prepare() is None  # once
+
+    def no_new_policy(*args, **kwargs):
+        raise AssertionError("generation must reuse the prepared policy")
+
+    monkeypatch.setattr(block_policy, "auto_policy", no_new_policy)
+    session.generate([1, 40, 41, 42], max_tokens=8)
+    assert session._policy is policy and policy.trace.widths

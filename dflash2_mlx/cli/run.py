@@ -67,6 +67,9 @@ def run(
                            progress=not json_out)
     sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     warn_slow_blas()
+    ready = session.prepare()
+    if ready and not json_out:
+        typer.echo(f"note: {ready}", err=True)
     template = dict(system=system, raw=no_chat_template, think=think)
     if prompt is None:
         if json_out or not sys.stdin.isatty():

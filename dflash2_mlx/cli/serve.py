@@ -103,6 +103,9 @@ def serve(
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out)
     warn_slow_blas()
+    ready = session.prepare()  # calibrate before listening: never inside the first request
+    if ready:
+        session.notes.append(ready)
     if host not in LOOPBACK and api_key is None:
         typer.echo(f"warning: listening on {host} without --api-key; anyone who can reach it can use it", err=True)
     if host in ("0.0.0.0", "::") and "*" not in config.allowed_hosts:
