@@ -6,6 +6,7 @@ Two steps, both resumable:
   dflash2 train fit TARGET --data data/smol --out my-drafter --arch dflash2 --layers 2 --steps 3000
 
 Measure the result with `dflash2 bench TARGET --drafter my-drafter --modes ar,dflash2`.
+A compact proposal head for it: `dflash2 train draft-vocab TARGET --drafter my-drafter`.
 """
 
 from __future__ import annotations
@@ -141,3 +142,34 @@ def export(
 
     out = export_drafter(src, dest, dtype)
     typer.echo(f"wrote {out} ({dtype}, {file_size_mb(out):.1f} MiB)", err=True)
+
+
+@train_app.command("draft-vocab", help="Rank token ids by frequency (ShareGPT replies, plus the target's own "
+                                       "responses with --data) and write proposal_vocab.json into the drafter "
+                                       "directory: its drafts then use a compact head over the top ids.")
+@user_errors
+def draft_vocab(
+    model: ModelArg = None,
+    drafter: Annotated[Optional[Path], typer.Option("--drafter", "-d", help="Drafter directory to write into "
+                                                                            "(default: the model's shipped one).")] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Also count responses of this prepare-data dir.")] = None,
+    conversations: Annotated[int, typer.Option("--conversations", min=0, help="ShareGPT conversations counted.")] = 4000,
+    size: Annotated[int, typer.Option("--size", min=1, help="Default proposal vocab size.")] = 8192,
+    keep: Annotated[int, typer.Option("--keep", min=1, help="Ranked ids stored (largest size selectable).")] = 16384,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+) -> None:
+    import json as _json
+
+    from .. import hub
+    from ..train.draft_vocab import build_draft_vocab
+
+    spec = hub.resolve(model, str(drafter) if drafter else None, progress=True)
+    if spec.drafter is None or not Path(spec.drafter).is_dir():
+        raise typer.BadParameter(f"no local drafter directory for {spec.name}; pass --drafter DIR")
+    target = _target(model)
+    path = build_draft_vocab(target.tokenizer, target.info.vocab_size, Path(spec.drafter),
+                             n_conversations=conversations, data_dir=data, keep=keep, default_size=size,
+                             seed=seed, always=sorted(target.eos_token_ids), target_name=str(spec.name))
+    cov = _json.loads(path.read_text())["coverage"]
+    typer.echo(f"wrote {path} (default size {min(size, keep)}; held-out coverage "
+               + ", ".join(f"{k}: {v:.1%}" for k, v in cov.items()) + ")", err=True)
