@@ -1,7 +1,7 @@
 """The registry of known model pairs: `models/registry.json`, read-only data.
 
 Each alias names a target and a drafter (Hugging Face repo ids, or `shipped:NAME` for a
-directory next to the registry), the session defaults (`block_size`, `draft_bits`, `dtype`)
+directory next to the registry), the session defaults (`block_size`, `draft_bits`, `draft_vocab`, `dtype`)
 and optional extras: `target_wheel` (an offline GGUF inside a PyPI wheel), `untrained_drafter`
 (the config of a random drafter used while a shipped one is missing), `notes` shown to the
 user. Alias lookup ignores case.
@@ -19,7 +19,7 @@ from . import paths
 from .errors import ConfigError
 
 SHIPPED = "shipped:"
-DEFAULT_KEYS = {"block_size", "draft_bits", "dtype"}
+DEFAULT_KEYS = {"block_size", "draft_bits", "draft_vocab", "dtype"}
 
 
 @dataclass(frozen=True)

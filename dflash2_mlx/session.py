@@ -42,7 +42,8 @@ class Session:
 
     @classmethod
     def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
-             block_size=None, progress: bool = True, dtype: str | None = None) -> "Session":
+             block_size=None, progress: bool = True, dtype: str | None = None,
+             draft_vocab: int | None = None) -> "Session":
         from . import hub
         from .drafter.load import load_drafter
         from .target import load_target
@@ -53,7 +54,9 @@ class Session:
         bits = draft_bits if draft_bits is not None else defaults.get("draft_bits")
         draft = None
         if spec.drafter is not None:
-            draft = load_drafter(spec.drafter, target, draft_bits=bits, head_bits=defaults.get("draft_head_bits"))
+            vocab = draft_vocab if draft_vocab is not None else defaults.get("draft_vocab")
+            draft = load_drafter(spec.drafter, target, draft_bits=bits, head_bits=defaults.get("draft_head_bits"),
+                                 draft_vocab=vocab)
         size = parse_block_size(block_size if block_size is not None else defaults.get("block_size"))
         return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=list(spec.notes))
 

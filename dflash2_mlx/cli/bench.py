@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, ModelArg, SeedOpt, TempOpt, TopPOpt, print_json, \
+from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, DraftVocabOpt, ModelArg, SeedOpt, TempOpt, TopPOpt, print_json, \
     user_errors, warn_slow_blas
 
 EXAMPLES = """
@@ -60,6 +60,7 @@ def bench(
     drafter_v1: Annotated[Optional[str], typer.Option("--drafter-v1", help="DFlash (v1) drafter for the 'dflash' "
                                                       "mode. Default: the registry's v1 drafter for this target.")] = None,
     draft_bits: DraftBitsOpt = None,
+    draft_vocab: DraftVocabOpt = None,
     temp: TempOpt = 0.0,
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
@@ -87,7 +88,8 @@ def bench(
         _require_matplotlib()
     out = _console(sys.stderr if json_out == "-" else sys.stdout)
     err = _console(sys.stderr)
-    target, drafters, notes, spec = _open_pair(model, drafter, drafter_v1, draft_bits, progress=json_out != "-")
+    target, drafters, notes, spec = _open_pair(model, drafter, drafter_v1, draft_bits, progress=json_out != "-",
+                                               draft_vocab=draft_vocab)
     if calibrate:
         warn_slow_blas()
         return _calibrate(target, drafters, out, size)
@@ -134,7 +136,7 @@ def _require_matplotlib() -> None:
 # -- model pair -------------------------------------------------------------------------
 
 
-def _open_pair(model, drafter, drafter_v1, draft_bits, progress: bool):
+def _open_pair(model, drafter, drafter_v1, draft_bits, progress: bool, draft_vocab: int | None = None):
     """Target plus drafters by kind: {"dflash2": (drafter, path), "dflash": (drafter, path)}."""
     from .. import hub
     from ..bench import drafter_kind
@@ -142,7 +144,7 @@ def _open_pair(model, drafter, drafter_v1, draft_bits, progress: bool):
     from ..errors import ConfigError
     from ..session import Session
 
-    session = Session.open(model, drafter=drafter, draft_bits=draft_bits, progress=progress)
+    session = Session.open(model, drafter=drafter, draft_bits=draft_bits, progress=progress, draft_vocab=draft_vocab)
     spec, notes = session.spec, list(session.notes)
     drafters = {}
     if session.drafter is not None:

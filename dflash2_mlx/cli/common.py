@@ -30,6 +30,9 @@ BlockSizeOpt = Annotated[
                                              "from measured costs. Default: the model's registered value."),
 ]
 DraftBitsOpt = Annotated[Optional[int], typer.Option("--draft-bits", help="Quantize the drafter to 4 or 8 bits.")]
+DraftVocabOpt = Annotated[Optional[int], typer.Option("--draft-vocab", min=0, help="Draft among the N most frequent "
+                                                      "ids of the drafter's proposal_vocab.json (0 = the full "
+                                                      "head). Default: the file's size when it is there.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 

@@ -11,6 +11,7 @@ from .common import (
     BlockSizeOpt,
     DraftBitsOpt,
     DrafterOpt,
+    DraftVocabOpt,
     JsonOpt,
     MaxTokensOpt,
     ModelArg,
@@ -53,6 +54,7 @@ def run(
     seed: SeedOpt = None,
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
+    draft_vocab: DraftVocabOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt for the chat template.")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed PROMPT as raw text.")] = False,
     think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that have one.")] = None,
@@ -64,7 +66,7 @@ def run(
     if prompt is None and model is not None and not hub.looks_like_model(model):
         prompt, model = model, None  # `dflash2 run "a prompt"` uses the default pair
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
-                           progress=not json_out)
+                           progress=not json_out, draft_vocab=draft_vocab)
     sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     warn_slow_blas()
     ready = session.prepare()
