@@ -183,8 +183,28 @@ def _scaled_weights(size: int, cfg: dict, dtype: str | None, bits: int | None) -
     return int(size * _DTYPE_BYTES[dtype] / stored) if dtype else size
 
 
+def proposal_vocab(drafter_dir: Path | None, vocab_size: int, size: int | None, act_bytes: int) -> dict:
+    """Whether the drafter drafts through a compact head, its size, provenance and extra bytes."""
+    from .drafter.vocab import FILE_NAME, resolve_vocab
+    from .errors import ConfigError
+
+    try:
+        vocab = resolve_vocab(drafter_dir, vocab_size, size)
+    except ConfigError as e:
+        return {"active": False, "reason": str(e)}
+    if vocab is None:
+        why = "turned off by --draft-vocab 0" if size == 0 else f"no {FILE_NAME} next to the drafter"
+        return {"active": False, "reason": why}
+    return {"active": True, **vocab.describe(), "head_bytes": vocab.size * _hidden_of(drafter_dir) * act_bytes}
+
+
+def _hidden_of(drafter_dir: Path) -> int:
+    return int(json.loads((Path(drafter_dir) / "config.json").read_text())["hidden_size"])
+
+
 def estimate_memory(model: str | None, drafter: str | None = None, context: int = 4096,
-                    draft_bits: int | None = None, dtype: str | None = None) -> dict:
+                    draft_bits: int | None = None, dtype: str | None = None,
+                    draft_vocab: int | None = None) -> dict:
     """Predicted memory of MODEL (+ drafter) at `context` tokens, before loading anything.
 
     Returns:
@@ -199,6 +219,7 @@ def estimate_memory(model: str | None, drafter: str | None = None, context: int 
     defaults = registry.models[alias].get("defaults", {}) if alias else {}
     dtype = dtype or defaults.get("dtype")
     draft_bits = draft_bits if draft_bits is not None else defaults.get("draft_bits")
+    draft_vocab = draft_vocab if draft_vocab is not None else defaults.get("draft_vocab")
     out: dict = {"model": name, "context": context, "target": None, "drafter": None, "notes": []}
     found = _files_and_config(target_loc)
     if found is None:
@@ -220,6 +241,10 @@ def estimate_memory(model: str | None, drafter: str | None = None, context: int 
             out["drafter"] = {"ref": drafter_loc.ref, "source": dwhere, "untrained": drafter_loc.untrained,
                               "weights_bytes": _scaled_weights(dsize, dcfg, dtype, draft_bits),
                               "kv_bytes": kv_bytes(dcfg, context, act)}
+            if drafter_loc.path is not None:  # the compact head is a private copy of target rows
+                pv = proposal_vocab(drafter_loc.path, int(dcfg["vocab_size"]), draft_vocab, act)
+                out["drafter"]["proposal_vocab"] = pv
+                out["drafter"]["weights_bytes"] += pv.get("head_bytes", 0)
     parts = [out["target"]["weights_bytes"], out["target"]["kv_bytes"]]
     if out["drafter"]:
         parts += [out["drafter"]["weights_bytes"], out["drafter"]["kv_bytes"]]

@@ -200,3 +200,25 @@ def test_build_draft_vocab_from_prepared_responses(tmp_path):
     assert raw["ranked_ids"][:5] == [2, 7, 9, 3, 11] and raw["default_size"] == 4
     assert raw["source"]["target_response_tokens"] == 8 and raw["source"]["tokenizer"] == "tiny"
     assert coverage_of(raw["ranked_ids"][:3], [r["response_ids"] for r in rows]) == 6 / 8
+
+
+def test_doctor_shows_the_compact_head(pair, tmp_path):
+    import shutil
+
+    from dflash2_mlx import doctor
+    from dflash2_mlx.cli.doctor import _render_memory
+
+    target_dir, drafter_dir = pair
+    d = tmp_path / "drafter"
+    shutil.copytree(drafter_dir, d)
+    plain = doctor.estimate_memory(str(target_dir), str(d), context=64)["drafter"]
+    assert plain["proposal_vocab"] == {"active": False, "reason": "no proposal_vocab.json next to the drafter"}
+    write_vocab_file(d / FILE_NAME, np.arange(VOCAB)[::-1].copy(), keep=64, default_size=48,
+                     source={"built_by": "test"})
+    mem = doctor.estimate_memory(str(target_dir), str(d), context=64)
+    pv = mem["drafter"]["proposal_vocab"]
+    assert pv["active"] and pv["size"] == 48 and pv["source"]["built_by"] == "test"
+    assert mem["drafter"]["weights_bytes"] == plain["weights_bytes"] + 48 * HIDDEN * 4  # the private rows
+    assert "compact head, 48 of 97 ids" in "\n".join(_render_memory(mem))
+    off = doctor.estimate_memory(str(target_dir), str(d), context=64, draft_vocab=0)
+    assert "--draft-vocab 0" in off["drafter"]["proposal_vocab"]["reason"]

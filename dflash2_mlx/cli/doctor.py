@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import DraftBitsOpt, DrafterOpt, JsonOpt, print_json, user_errors
+from .common import DraftBitsOpt, DrafterOpt, DraftVocabOpt, JsonOpt, print_json, user_errors
 
 EXAMPLES = """
 Examples:
@@ -31,13 +31,15 @@ def doctor(
     drafter: DrafterOpt = None,
     context: Annotated[int, typer.Option("--context", "-c", min=1, help="Context length for the KV estimate.")] = 4096,
     draft_bits: DraftBitsOpt = None,
+    draft_vocab: DraftVocabOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     from .. import doctor as lib
 
     report = {"environment": lib.environment()}
     if model is not None:
-        report["memory"] = lib.estimate_memory(model, drafter, context=context, draft_bits=draft_bits)
+        report["memory"] = lib.estimate_memory(model, drafter, context=context, draft_bits=draft_bits,
+                                               draft_vocab=draft_vocab)
     if json_out:
         print_json(report)
         return
@@ -82,6 +84,16 @@ def render(report: dict) -> list[str]:
     return lines
 
 
+def _render_vocab(pv: dict) -> str:
+    if not pv["active"]:
+        return f"  draft vocab: full head ({pv['reason']})"
+    src = pv["source"]
+    cov = f", {pv['coverage']:.1%} held-out coverage" if pv.get("coverage") else ""
+    return (f"  draft vocab: compact head, {pv['size']} of {pv['vocab_size']} ids{cov} · {pv['path']} "
+            f"({src.get('built_by', '?')}, {src.get('sharegpt_conversations', 0)} ShareGPT conversations, "
+            f"{src.get('target_response_tokens', 0)} target-response tokens, {src.get('created', '?')})")
+
+
 def _render_memory(mem: dict) -> list[str]:
     if mem.get("unavailable"):
         return [f"memory estimate for {mem['model']}: unavailable ({mem['unavailable']})"]
@@ -92,6 +104,8 @@ def _render_memory(mem: dict) -> list[str]:
     if d:
         lines.append(f"  drafter  weights {_gb(d['weights_bytes'])} + KV {_gb(d['kv_bytes'])} [{d['source']}]"
                      + (" (untrained stand-in)" if d["untrained"] else ""))
+        if "proposal_vocab" in d:
+            lines.append(_render_vocab(d["proposal_vocab"]))
     verdict = "unknown" if mem["fits"] is None else "fits" if mem["fits"] else "does NOT fit"
     lines.append(f"  total ≈ {_gb(mem['total_bytes'])} (+10% overhead) of {_gb(mem['device_bytes'])}: {verdict}")
     lines += [f"  note: {n}" for n in mem["notes"]]
