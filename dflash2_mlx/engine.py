@@ -59,6 +59,7 @@ class GenerationEvent:
     generation_tokens: int
     generation_tps: float
     peak_memory_gb: float
+    stop_sequence: str | None = None  # the stop string that ended generation, if one did
 
 
 @dataclass
@@ -305,6 +306,7 @@ class _Stopper:
         self.detok.reset()
         self.eos, self.stop, self.max_tokens = eos, [s for s in stop if s], max_tokens
         self.text, self.tokens, self.sent, self.searched = "", [], 0, 0
+        self.matched: str | None = None
 
     def feed(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """Accept tokens; return (kept tokens, finish reason or None)."""
@@ -324,9 +326,11 @@ class _Stopper:
 
     def _hit_stop(self) -> bool:
         # The text before `searched` held no match, so only one ending after it can be new.
-        cut = _find_stop(self.text, self.stop, self.searched)
+        start = self.searched
+        cut = _find_stop(self.text, self.stop, start)
         self.searched = len(self.text)
         if cut >= 0:
+            self.matched = next(s for s in self.stop if self.text.find(s, max(0, start - len(s) + 1)) == cut)
             self.text = self.text[:cut]
             return True
         return False
@@ -399,7 +403,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             n = len(stopper.tokens)
             return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
                                    prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
-                                   peak_memory_gb())
+                                   peak_memory_gb(), stopper.matched if finish == "stop" else None)
 
         kept, finish = stopper.feed([first])
         run.history.append(first)

@@ -86,6 +86,11 @@ class Session:
                  **kw) -> SamplingParams:
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, **kw)
 
+    @property
+    def policy(self):
+        """The adaptive block policy once made (`block_size == "auto"`), else None."""
+        return self._policy
+
     # -- generation ---------------------------------------------------------------------
 
     def prepare(self, progress=None) -> str | None:

@@ -18,13 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
 
 from .._version import __version__
-from . import errors, ollama, openai_api
+from . import anthropic, errors, ollama, openai_api
 from .config import ServerConfig
-from .dispatch import StateDep, make_state
+from .dispatch import StateDep, make_state, speculation_info
 from .guard import Guard
 from .schema import refused
 
 STREAMING = {"/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
+             "/v1/messages": "text/event-stream",
              "/api/chat": "application/x-ndjson", "/api/generate": "application/x-ndjson"}
 
 
@@ -118,7 +119,7 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
             await anyio.to_thread.run_sync(state.worker.close)
 
     app = FastAPIOffline(title="dflash2", version=__version__, lifespan=lifespan, redoc_url=None,
-                         description="DFlash 2 speculative decoding on MLX: OpenAI- and Ollama-compatible API.")
+                         description="DFlash 2 speculative decoding on MLX: OpenAI-, Ollama- and Anthropic-compatible API.")
     app.state.dflash = state
     errors.install(app)
     app.add_middleware(Guard, state=state)
@@ -127,11 +128,13 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
                            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
     app.include_router(openai_api.router)
     app.include_router(ollama.router)
+    app.include_router(anthropic.router)
 
     @app.api_route("/health", methods=["GET", "HEAD"], summary="Liveness and queue state (no auth)")
     async def health(state: StateDep):
         body = {"status": "ok" if state.worker.accepting else "shutting down", "model": state.model_name,
-                "busy": state.worker.busy, "queue_depth": state.worker.depth}
+                "busy": state.worker.busy, "queue_depth": state.worker.depth,
+                "speculation": speculation_info(state)}
         return JSONResponse(body, status_code=200 if state.worker.accepting else 503)
 
     @app.api_route("/metrics", methods=["GET", "HEAD"], summary="Prometheus metrics",

@@ -95,6 +95,29 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     )
 
 
+def speculation_info(state: ServerState) -> dict:
+    """Which drafter is active, the width policy, and why speculation is off when it is."""
+    session = state.session
+    if session.drafter is None:
+        return {"drafter": None, "width_policy": "plain", "active": False,
+                "fallback_reason": "no drafter is loaded: every request decodes plainly"}
+    fixed = session.block_size or session.drafter.config.block_size
+    drafter = str(session.spec.drafter)
+    drafter = Path(drafter).name if looks_like_path(drafter) else drafter  # /health is public: no paths
+    info = {"drafter": drafter, "width_policy": "auto" if fixed == "auto" else f"fixed {fixed}",
+            "active": True, "fallback_reason": None, "tokens_per_cycle": round(state.metrics.tokens_per_cycle(), 4)}
+    policy = session.policy
+    if policy is not None:
+        info["current_width"] = policy.current
+        if not policy.can_ever_win(policy.costs.max_width):
+            info.update(active=False, fallback_reason="the calibration says no width beats plain decoding on this "
+                                                      "machine: decoding plainly, probing now and then")
+        elif policy.current == 1:
+            info.update(active=False, fallback_reason="the measured acceptance does not pay right now: decoding "
+                                                      "plainly, probing now and then")
+    return info
+
+
 def get_state(request: Request) -> ServerState:
     return request.app.state.dflash
 

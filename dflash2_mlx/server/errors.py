@@ -1,6 +1,7 @@
-"""Every failure becomes one JSON error: OpenAI's shape, or Ollama's on /api/ routes.
+"""Every failure becomes one JSON error in the shape of its route's API.
 
-OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama: `{"error": "message"}`.
+OpenAI: `{"error": {"message", "type", "param", "code"}}`; Ollama (/api/): `{"error": "message"}`;
+Anthropic (/v1/messages): `{"type": "error", "error": {"type", "message"}}`.
 Schema violations and malformed JSON are 400 (OpenAI's status, not FastAPI's 422), a
 `DFlashError` is 400, unknown routes 404, a full queue 429, shutdown 503, bugs 500 (logged).
 """
@@ -34,9 +35,21 @@ class APIError(Exception):
         self.headers = headers
 
 
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def is_anthropic(path: str) -> bool:
+    return path == "/v1/messages" or path.startswith("/v1/messages/")
+
+
 def error_body(path: str, err: APIError) -> dict:
     if path.startswith("/api/"):
         return {"error": err.message}
+    if is_anthropic(path):
+        kind = _ANTHROPIC_TYPES.get(err.status, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": err.message}}
     return {"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.code}}
 
 

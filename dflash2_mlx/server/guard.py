@@ -105,10 +105,12 @@ class Guard:
         if not self.state.worker.accepting and scope["path"] not in PUBLIC_PATHS:
             return APIError(503, "server is shutting down", "server_shutting_down", headers={"Retry-After": "5"})
         if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
-            given = headers.get(b"authorization", b"")
+            given = headers.get(b"authorization") or (b"Bearer " + headers[b"x-api-key"]
+                                                       if b"x-api-key" in headers else b"")
             if not secrets.compare_digest(given, self.expected):
                 why = "missing Authorization header" if not given else "invalid API key"
-                return APIError(401, f"{why}; send 'Authorization: Bearer <key>'", "invalid_api_key",
+                return APIError(401, f"{why}; send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
+                                "invalid_api_key",
                                 headers={"WWW-Authenticate": "Bearer"})
         size = headers.get(b"content-length")
         if size is not None and (not size.isdigit() or int(size) > self.state.config.max_body_bytes):

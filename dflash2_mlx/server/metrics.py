@@ -16,7 +16,7 @@ from collections import Counter
 KNOWN_ROUTES = frozenset({
     "/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
     "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps", "/openapi.json", "/",
-    "/docs",
+    "/docs", "/v1/messages", "/v1/messages/count_tokens",
 })
 
 

@@ -157,7 +157,8 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
 
 
 def _model_card(state: ServerState) -> dict:
-    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dflash2"}
+    return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "dflash2",
+            "speculation": dispatch.speculation_info(state)}
 
 
 @router.api_route("/models", methods=["GET", "HEAD"], summary="The loaded model (OpenAI)")

@@ -299,3 +299,66 @@ class OllamaShowRequest(_Body):
     model: ModelName
     name: ModelName
     verbose: bool = False
+
+
+# -- Anthropic -----------------------------------------------------------------------------
+
+
+class AnthropicText(_Body):
+    type: Literal["text"]
+    text: Text
+
+
+class AnthropicOtherBlock(_Body):
+    """An image / document / tool_use / tool_result block: accepted by the schema, refused."""
+
+    type: Annotated[str, Field(max_length=64)]
+
+    @field_validator("type")
+    @classmethod
+    def _not_text(cls, value: str) -> str:
+        if value == "text":
+            raise ValueError("a 'text' block needs a string field 'text'")
+        return value
+
+
+class AnthropicMessage(_Body):
+    role: Literal["user", "assistant"]
+    content: Text | Annotated[list[AnthropicText | AnthropicOtherBlock], Field(max_length=MAX_MESSAGES)]
+
+
+class _AnthropicPrompt(_Body):
+    model: ModelName
+    messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    system: Text | Annotated[list[AnthropicText], Field(max_length=MAX_MESSAGES)] | None = None
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
+    tool_choice: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    thinking: Annotated[dict[str, Any] | None, Field(default=None, json_schema_extra=refused())]
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools are not supported by this server"
+        if self.tool_choice is not None:
+            return "tool_choice was given without tools"
+        if self.thinking is not None and self.thinking.get("type") != "disabled":
+            return "thinking (extended thinking) is not supported by this server"
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                for block in message.content:
+                    if block.type != "text":
+                        return f"messages[{i}] has a {block.type!r} block; only text is supported"
+        return None
+
+
+class MessagesRequest(_AnthropicPrompt):
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_BOUND)]
+    stop_sequences: Annotated[list[StopText] | None, Field(default=None, max_length=MAX_STOP)]
+    stream: bool = False
+    temperature: Annotated[float | None, Field(default=None, ge=0.0, le=1.0, allow_inf_nan=False)]
+    top_p: TopP
+    top_k: TopK
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_AnthropicPrompt):
+    pass

@@ -65,6 +65,7 @@ class JobStats:
     events_after_cancel: int = 0
     started_at: float | None = None
     first_token_at: float | None = None
+    stop_sequence: str | None = None
 
     def observe(self, event, now: float | None = None) -> None:
         """Fold one `GenerationEvent`, seen at `now` (perf_counter), into the totals."""
@@ -77,6 +78,7 @@ class JobStats:
         self.predicted_n = event.generation_tokens
         self.predicted_ms = 1e3 * (now - self.first_token_at)
         self.finish_reason = event.finish_reason
+        self.stop_sequence = event.stop_sequence
         cycle = event.cycle
         if cycle is not None:
             self.n_cycles += 1
