@@ -1,5 +1,6 @@
-"""`dflash2 serve` speaking Anthropic's Messages API (the official `anthropic` SDK) and saying
-which drafter and width policy are active, against a real server process on the tiny pair."""
+"""`dflash2 serve` for agents, against a real server process on the tiny pair: Anthropic's
+Messages API (the official `anthropic` SDK), log-probabilities that equal the target's own
+(the OpenAI SDK), and which drafter and width policy are active."""
 
 from __future__ import annotations
 
@@ -18,8 +19,12 @@ USER = [{"role": "user", "content": "Hello world"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    pair = write_pair(tmp_path_factory.mktemp("pair"))
+def pair(tmp_path_factory):
+    return write_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def server(pair, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "agents.log"
     with ServerProcess(*pair, "--block-size", "4", log_path=log, env={"DFLASH2_API_KEY": KEY}) as proc:
         yield proc
@@ -114,3 +119,63 @@ def test_health_and_models_say_which_drafter_and_policy(server):
     card = request(server.url, "GET", "/v1/models", headers=auth).json()["data"][0]
     assert card["speculation"]["drafter"] == spec["drafter"]
     assert "--api-key on the command line" not in server.logs()  # the key came from the environment
+
+
+# -- log-probabilities ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local(pair):
+    """The same target loaded here, to compute each token's true log-probability."""
+    from dflash2_mlx.session import Session
+    from dflash2_mlx.target import load_target
+
+    target = load_target(str(pair[0]))
+    vocab = json.loads((pair[0] / "tokenizer.json").read_text())["model"]["vocab"]
+    return Session(spec=None, target=target, drafter=None, block_size=None), vocab
+
+
+def _truth(session, prompt_ids, ids):
+    import mlx.core as mx
+
+    logits = session.target.model(mx.array([prompt_ids + ids]))[0, len(prompt_ids) - 1 : -1].astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def test_chat_logprobs_are_the_targets_own_streamed_or_not(server, local):
+    import mlx.core as mx
+
+    session, vocab = local
+    oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=60)
+    kwargs = dict(model=NAME, messages=USER, max_tokens=12, logprobs=True, top_logprobs=3)
+    reply = oa.chat.completions.create(**kwargs)
+    content = reply.choices[0].logprobs.content
+    ids = [vocab[c.token] for c in content]
+    assert "".join(c.token for c in content) == reply.choices[0].message.content and len(ids) == 12
+    truth = _truth(session, session.encode(USER), ids)
+    for i, c in enumerate(content):
+        assert abs(c.logprob - truth[i, ids[i]].item()) < 1e-4 and c.bytes == list(c.token.encode())
+        assert [vocab[t.token] for t in c.top_logprobs] == mx.argsort(-truth[i])[:3].tolist()
+    streamed = [lp for chunk in oa.chat.completions.create(**kwargs, stream=True)
+                if chunk.choices and chunk.choices[0].logprobs for lp in chunk.choices[0].logprobs.content]
+    assert [(c.token, round(c.logprob, 4)) for c in streamed] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = oa.chat.completions.create(model=NAME, messages=USER, max_tokens=12)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_and_refusals(server, local):
+    session, vocab = local
+    prompt = [1, 40, 41, 42, 7, 19]
+    reply = request(server.url, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 8, "logprobs": 2},
+                    headers={"x-api-key": KEY}).json()["choices"][0]
+    lp = reply["logprobs"]
+    ids = [vocab[t] for t in lp["tokens"]]
+    truth = _truth(session, prompt, ids)
+    assert all(abs(v - truth[i, ids[i]].item()) < 1e-4 for i, v in enumerate(lp["token_logprobs"]))
+    assert all(len(top) == 2 for top in lp["top_logprobs"]) and lp["text_offset"][0] == 0
+    bad = request(server.url, "POST", "/v1/chat/completions", {"messages": USER, "top_logprobs": 2},
+                  headers={"x-api-key": KEY})
+    assert bad.status == 400 and "logprobs" in bad.json()["error"]["message"]
+    too_many = request(server.url, "POST", "/v1/completions", {"prompt": "a", "logprobs": 6},
+                       headers={"x-api-key": KEY})
+    assert too_many.status == 400 and "logprobs" in too_many.json()["error"]["message"]
