@@ -47,6 +47,15 @@ class CycleStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the target, and the most likely alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class GenerationEvent:
     """Yielded by `stream_generate` once per cycle (and once for the first token)."""
 
@@ -60,6 +69,7 @@ class GenerationEvent:
     generation_tps: float
     peak_memory_gb: float
     stop_sequence: str | None = None  # the stop string that ended generation, if one did
+    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked for
 
 
 @dataclass
@@ -116,7 +126,8 @@ class _Run:
     history: list[int]
     processors: list
     pending_ctx: list = field(default_factory=list)
-    queued: mx.array | None = None  # the next plain step's token, queued but not read back
+    top_logprobs: int | None = None  # report log-probabilities (with this many alternatives) when set
+    queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
     decided: int | None = None  # the next cycle's width, picked while that token was queued
 
     def next_key(self) -> mx.array:
@@ -209,12 +220,37 @@ def _cap_context(run: _Run, limit: int | None) -> None:
             c.n_stored, c.offset = 0, c.offset + n - limit
 
 
-def _choose(run: _Run, logits: mx.array, block: list[int], key: mx.array) -> mx.array:
-    """The target's own pick for each row of logits [R, V] (greedy or sampled)."""
+def _choose(run: _Run, logits: mx.array, block: list[int], key: mx.array) -> tuple[mx.array, mx.array]:
+    """The target's own pick for each row of logits [R, V] (greedy or sampled), and the rows
+    after penalties (what log-probabilities are reported from)."""
     logits = process_rows(logits, run.history, block, run.processors, run.params.penalty_context)
     if run.params.greedy:
-        return mx.argmax(logits, axis=-1)
-    return mx.random.categorical(mx.log(target_probs(logits, run.params)), key=key)
+        return mx.argmax(logits, axis=-1), logits
+    return mx.random.categorical(mx.log(target_probs(logits, run.params)), key=key), logits
+
+
+def _logprobs(run: _Run, rows: mx.array, tokens: mx.array):
+    """Lazy (logprob of each row's token, top ids, top logprobs) for rows [R, V], as mlx-lm
+    reports them: log-softmax of the logits after penalties, before temperature; None if off."""
+    if run.top_logprobs is None:
+        return None
+    lp = rows.astype(mx.float32)
+    lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(lp, tokens.reshape(-1, 1), axis=-1)[:, 0]
+    k = min(run.top_logprobs, lp.shape[-1])
+    if k == 0:
+        return chosen, None, None
+    top = mx.argsort(-lp, axis=-1)[:, :k]
+    return chosen, top, mx.take_along_axis(lp, top, axis=-1)
+
+
+def _logprob_list(info, tokens: list[int]) -> list[TokenLogprob] | None:
+    """Host-side `TokenLogprob`s for the first len(tokens) rows of evaluated `_logprobs` output."""
+    if info is None:
+        return None
+    chosen, top, top_lp = (x.tolist() if x is not None else None for x in info)
+    return [TokenLogprob(t, chosen[i], list(zip(top[i], top_lp[i])) if top is not None else [])
+            for i, t in enumerate(tokens)]
 
 
 def _take_context(run: _Run) -> mx.array:
@@ -223,32 +259,33 @@ def _take_context(run: _Run) -> mx.array:
     return ctx
 
 
-def _queue_plain(run: _Run, token_in: mx.array) -> mx.array:
-    """Queue one plain decoding step after `token_in` (host or lazy); its token stays lazy."""
+def _queue_plain(run: _Run, token_in: mx.array) -> tuple:
+    """Queue one plain decoding step after `token_in` (host or lazy); (token, logprobs) stay lazy."""
     logits, hidden = run.target.forward(token_in.reshape(1, 1), run.target_cache, run.taps, "last")
-    token = _choose(run, logits[0], [], run.next_key())
+    token, rows = _choose(run, logits[0], [], run.next_key())
     if hidden is not None:
         run.pending_ctx.append(hidden)
         if len(run.pending_ctx) > 32:  # long plain stretches: keep the list short
             run.pending_ctx = [mx.concatenate(run.pending_ctx, axis=1)]
         _cap_context(run, run.drafter.config.context_limit)
-    mx.async_eval(token)
-    return token
+    info = _logprobs(run, rows, token)
+    mx.async_eval(token, *(x for x in info or () if x is not None))
+    return token, info
 
 
-def _step_plain(run: _Run, lookahead=None) -> tuple[list[int], CycleStats]:
+def _step_plain(run: _Run, lookahead=None) -> tuple[list[int], CycleStats, list | None]:
     """One plain step. With `lookahead` (a function giving the next cycle's width), a next
     plain step is queued before this token is read back, as mlx-lm's `generate_step` does,
     so graph building overlaps compute; without it, the step-by-step twin."""
     t0 = time.perf_counter()
-    current = run.queued if run.queued is not None else _queue_plain(run, mx.array([run.history[-1]]))
+    current, info = run.queued if run.queued is not None else _queue_plain(run, mx.array([run.history[-1]]))
     run.queued = None
     if lookahead is not None:
         run.decided = lookahead()
         if run.decided == 1:
             run.queued = _queue_plain(run, current)
     token = int(current.item())
-    return [token], CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0)
+    return [token], CycleStats(1, 0, 0, 1, 0.0, time.perf_counter() - t0), _logprob_list(info, [token])
 
 
 def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
@@ -276,7 +313,9 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
         q = dense_q(proposal.q[0], proposal.candidates[0], p.shape[-1]) if proposal.q is not None \
             else one_hot_q(drafts, p.shape[-1])
         outputs = rejection_sample(drafts, p, q, run.next_key())
-    mx.async_eval(*outputs)
+    # Row j's reported token is the j-th emitted one: draft j+1 while accepted, then the pick.
+    info = _logprobs(run, rows, _emitted_rows(drafts, outputs, run.params.greedy))
+    mx.async_eval(*outputs, *(x for x in info or () if x is not None))
     mx.eval(drafts)
     t1 = time.perf_counter()
     mx.eval(*outputs)
@@ -289,7 +328,19 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     run.pending_ctx.append(hidden[:, : n_acc + 1])
     emitted = draft_list[:n_acc] + [nxt]
     t2 = time.perf_counter()
-    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0, t2 - t1)
+    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0, t2 - t1), \
+        _logprob_list(info, emitted)
+
+
+def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:
+    """Per verify row j, the j-th emitted token (lazy; rows past the cycle's end are unused):
+    the drafts while accepted, then the target's own pick."""
+    if greedy:
+        return outputs[0]  # accepted drafts equal the target's argmax, so its picks are the tokens
+    n_acc, nxt = outputs
+    idx = mx.arange(drafts.shape[0] + 1)
+    padded = mx.concatenate([drafts, nxt.reshape(1).astype(drafts.dtype)])
+    return mx.where(idx == n_acc, nxt.astype(drafts.dtype), padded)
 
 
 def _find_stop(text: str, stop: list[str], start: int) -> int:
@@ -352,7 +403,8 @@ class _Stopper:
 def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKENS,
                     sampling: SamplingParams | None = None, block_size: int | None = None,
                     stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                    block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True):
+                    block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True,
+                    top_logprobs: int | None = None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -372,6 +424,9 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             chunk; returning False cancels: the generator ends without yielding anything.
         pipelined: plain steps (without penalties) queue the next step before reading the last
             token back, as mlx-lm does; False runs the one-step-at-a-time twin.
+        top_logprobs: when set, each event carries `logprobs`: every token's log-probability
+            under the target (from the verify rows, so equal to plain decoding's) and this
+            many most likely alternatives (0 for none).
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
@@ -383,7 +438,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         target_cache=target.make_cache(reserve=max(width, 1), kv_bits=kv_bits),
         drafter_cache=drafter.make_cache() if drafter is not None else None,
         taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
-        history=list(ids), processors=make_processors(params),
+        history=list(ids), processors=make_processors(params), top_logprobs=top_logprobs,
     )
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
@@ -395,30 +450,34 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             logits = _prefill(run, ids, prefill_step_size, on_prefill)
             if logits is None:
                 return
-            first = int(_choose(run, logits[0], [], run.next_key()).item())
+            first_arr, rows = _choose(run, logits[0], [], run.next_key())
+            first = int(first_arr.item())
+            first_lp = _logprob_list(_logprobs(run, rows, first_arr), [first])
         prompt_tps = len(ids) / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
-        def event(tokens, cycle, finish):
+        def event(tokens, cycle, finish, logprobs):
             n = len(stopper.tokens)
             return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
                                    prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
-                                   peak_memory_gb(), stopper.matched if finish == "stop" else None)
+                                   peak_memory_gb(), stopper.matched if finish == "stop" else None,
+                                   logprobs[: len(tokens)] if logprobs is not None else None)
 
         kept, finish = stopper.feed([first])
         run.history.append(first)
-        yield event(kept, None, finish)
+        yield event(kept, None, finish, first_lp)
         pipeline = pipelined and not run.processors  # penalties need each token on the host first
         n_cycles = 0
         while finish is None:
             with mx.stream(generation_stream()):
-                emitted, cycle = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy, pipeline)
+                emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy,
+                                                       pipeline)
             kept, finish = stopper.feed(emitted)
             run.history.extend(emitted)
             n_cycles += 1
             if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
                 mx.clear_cache()
-            yield event(kept, cycle, finish)
+            yield event(kept, cycle, finish, logprobs)
 
 
 def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:
@@ -429,19 +488,19 @@ def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:
     return min(block_policy.next_width(cap), cap) if block_policy is not None else cap
 
 
-def _next_cycle(run: _Run, width: int, left: int, block_policy, pipeline: bool) -> tuple[list[int], CycleStats]:
+def _next_cycle(run: _Run, width: int, left: int, block_policy, pipeline: bool):
     """Run the next cycle: a speculative step of the chosen width, or a plain step that, when
     pipelining, already picks (and for a plain one, queues) the cycle after it."""
     w = run.decided if run.decided is not None else _pick_width(run, width, left, block_policy)
     run.decided = None
     if w >= 2:
-        emitted, cycle = _step_speculative(run, w)
+        emitted, cycle, logprobs = _step_speculative(run, w)
     else:
         ahead = (lambda: _pick_width(run, width, left - 1, block_policy)) if pipeline and left > 1 else None
-        emitted, cycle = _step_plain(run, ahead)
+        emitted, cycle, logprobs = _step_plain(run, ahead)
     if block_policy is not None:
         block_policy.observe(cycle)
-    return emitted, cycle
+    return emitted, cycle, logprobs
 
 
 def collect(events, on_text=None) -> GenerationResult:

@@ -112,3 +112,36 @@ def test_penalties_read_only_their_window_of_a_long_history():
     assert mx.array_equal(full, windowed)
     plain = process_rows(logits, history, block, [])
     assert not mx.array_equal(full, plain)  # the penalties did act
+
+
+def _true_logprobs(target, ids, tokens):
+    """log-softmax of one full forward over prompt + tokens: each emitted token's truth."""
+    import mlx.core as mx
+
+    logits = target.model(mx.array([ids + tokens]))[0, len(ids) - 1 : len(ids) - 1 + len(tokens)]
+    lp = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
+    return lp
+
+
+def test_logprobs_are_the_targets_own_under_speculation():
+    import mlx.core as mx
+
+    from dflash2_mlx import SamplingParams
+
+    for family in ("llama", "qwen3_5"):
+        target = tiny_target(family)
+        drafter = tiny_drafter(target, "dflash2", block_size=4, sliding_window=12)
+        for sampling in (None, SamplingParams(temperature=0.9, seed=2)):
+            for d in (None, drafter):
+                events = list(stream_generate(target, d, PROMPT, max_tokens=24, sampling=sampling, top_logprobs=3))
+                tokens = [t for e in events for t in e.tokens]
+                lps = [lp for e in events for lp in e.logprobs]
+                assert [lp.token for lp in lps] == tokens and len(tokens) == 24
+                truth = _true_logprobs(target, PROMPT, tokens)
+                for i, lp in enumerate(lps):
+                    assert abs(lp.logprob - truth[i, lp.token].item()) < 1e-4, (family, d is None, i)
+                    assert [t for t, _ in lp.top] == mx.argsort(-truth[i])[:3].tolist()
+                    assert lp.top[0][1] >= lp.logprob - 1e-6
+            if sampling is None:  # greedy: the top alternative is the token itself
+                assert all(lp.top[0][0] == lp.token for lp in lps)
+    assert all(e.logprobs is None for e in stream_generate(target, drafter, PROMPT, max_tokens=8))

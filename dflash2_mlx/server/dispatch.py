@@ -274,9 +274,9 @@ def check_prompt(state: ServerState, ids: list[int]) -> None:
 
 
 def submit(state: ServerState, ids: list[int], params: SamplingParams, n_max: int, stop: list[str],
-           endpoint: str) -> Job:
+           endpoint: str, top_logprobs: int | None = None) -> Job:
     """Queue a job; a full queue → 429 with Retry-After, shutdown → 503."""
-    job = Job(ids, params, n_max, stop, asyncio.get_running_loop(), endpoint)
+    job = Job(ids, params, n_max, stop, asyncio.get_running_loop(), endpoint, top_logprobs)
     try:
         state.worker.submit(job)
     except QueueFull as e:
@@ -301,13 +301,16 @@ async def _cancel_on_disconnect(request: Request, state: ServerState, job: Job) 
 
 
 async def collect(request: Request, state: ServerState, job: Job) -> tuple[str, list[int]]:
-    """Run a non-streaming job to its end: (text, token ids). Cancels it if the client leaves."""
+    """Run a non-streaming job to its end: (text, token ids), log-probabilities (when asked
+    for) gathered in `job.logprobs`. Cancels the job if the client leaves."""
     watcher = asyncio.create_task(_cancel_on_disconnect(request, state, job))
     text, tokens = [], []
+    job.logprobs = []
     try:
         async for event in job.events():
             text.append(event.text)
             tokens.extend(event.tokens)
+            job.logprobs.extend(event.logprobs or ())
     except JobFailed as e:
         raise failure_error(e) from None
     finally:

@@ -48,14 +48,42 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
     return out
 
 
+def _token_text(state: ServerState, token: int) -> str:
+    with state.encode_lock:  # the tokenizer is shared with request threads
+        return state.session.target.tokenizer.decode([token])
+
+
+def _chat_logprobs(state: ServerState, lps) -> dict | None:
+    """OpenAI chat `logprobs`: each token with its log-probability, bytes and alternatives."""
+    if lps is None:
+        return None
+
+    def entry(token: int, logprob: float) -> dict:
+        text = _token_text(state, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                        for x in lps], "refusal": None}
+
+
+def _completion_logprobs(state: ServerState, lps, offset: int = 0) -> dict | None:
+    """OpenAI legacy completions `logprobs`: parallel lists of tokens, logprobs, alternatives, offsets."""
+    if lps is None:
+        return None
+    tokens = [_token_text(state, x.token) for x in lps]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{_token_text(state, t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
+
+
 async def _sse(job: Job, chunk, final, include_usage: bool, head: dict):
     """SSE data lines: content chunks, the finish chunk with timings, usage, [DONE]."""
     finish = None
     try:
         async for event in job.events():
             finish = event.finish_reason or finish
-            if event.text:
-                yield json.dumps({**head, "choices": [chunk(event.text, None)]})
+            if event.text or event.logprobs:
+                yield json.dumps({**head, "choices": [chunk(event.text, None, event.logprobs)]})
     except JobFailed as e:
         yield json.dumps(error_body("/v1", dispatch.failure_error(e)))
         yield "[DONE]"
@@ -71,7 +99,7 @@ def _stream_response(state: ServerState, job: Job, chunks) -> EventSourceRespons
     return EventSourceResponse(dispatch.guarded(state, job, chunks), sep="\n", shutdown_grace_period=grace)
 
 
-def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
+def _prepare(state: ServerState, body, ids: list[int], endpoint: str, top_logprobs: int | None = None) -> Job:
     dispatch.check_prompt(state, ids)
     requested = getattr(body, "max_completion_tokens", None)
     name = "max_completion_tokens" if requested is not None else "max_tokens"
@@ -83,7 +111,7 @@ def _prepare(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
     params = dispatch.sampling(state, temperature=body.temperature, seed=body.seed, top_p=body.top_p,
                                top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
-    return dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop), endpoint)
+    return dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop), endpoint, top_logprobs)
 
 
 @router.post("/chat/completions", summary="Chat completion (OpenAI)")
@@ -94,7 +122,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                                         extra=body.chat_template_kwargs,
                                         think_field="chat_template_kwargs.enable_thinking")
     ids = await dispatch.encode(state, _messages(body), raw=False, template=template)
-    job = _prepare(state, body, ids, "chat")
+    job = _prepare(state, body, ids, "chat", (body.top_logprobs or 0) if body.logprobs else None)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -102,8 +130,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None}]}
 
-        def chunk(text, finish):
-            return {"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": finish}
+        def chunk(text, finish, lps=None):
+            return {"index": 0, "delta": {"content": text}, "logprobs": _chat_logprobs(state, lps),
+                    "finish_reason": finish}
 
         def final(finish):
             return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
@@ -117,7 +146,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     text, _ = await dispatch.collect(request, state, job)
     return {
         **_head(job, state, "chat.completion", created),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "logprobs": _chat_logprobs(state, job.logprobs if job.top_logprobs is not None else None),
                      "finish_reason": job.stats.finish_reason}],
         "usage": _usage(job),
         "timings": job.stats.timings(),
@@ -137,20 +167,21 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
     ids = await _completion_ids(state, body.prompt)
-    job = _prepare(state, body, ids, "completions")
+    job = _prepare(state, body, ids, "completions", body.logprobs)
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = _head(job, state, "text_completion", created)
 
-        def chunk(text, finish):
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        def chunk(text, finish, lps=None):
+            return {"index": 0, "text": text, "logprobs": _completion_logprobs(state, lps), "finish_reason": finish}
 
         return _stream_response(state, job, _sse(job, chunk, lambda f: chunk("", f), include_usage, head))
     text, _ = await dispatch.collect(request, state, job)
     return {
         **_head(job, state, "text_completion", created),
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": job.stats.finish_reason}],
+        "choices": [{"index": 0, "text": text, "finish_reason": job.stats.finish_reason,
+                     "logprobs": _completion_logprobs(state, job.logprobs if job.top_logprobs is not None else None)}],
         "usage": _usage(job),
         "timings": job.stats.timings(),
     }

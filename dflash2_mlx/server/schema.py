@@ -3,7 +3,7 @@
 Unknown fields are ignored (clients send many optional ones); known fields with the wrong
 type or out of bounds are rejected before any work, as 400 errors naming the field and
 value. Types are strict: "2" is not an integer, true is not a token id. Features we do not
-implement (logprobs, tools, legacy functions, images, JSON mode, Ollama options that change
+implement (tools, legacy functions, images, JSON mode, Ollama options that change
 sampling) are accepted by the schema but refused by `unsupported()` with a message naming
 the field, never silently ignored; `n` and `best_of` are bounded to 1. Ollama's hardware
 hints (num_gpu, num_thread, ...) change no output and are accepted.
@@ -110,13 +110,10 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(default=1, ge=1, le=1, description="Only 1: one choice per request.")]
-    logprobs: Annotated[Any, Field(default=None, json_schema_extra=refused("false", "zero"))]
     logit_bias: Annotated[dict[str, float] | None, Field(default=None, json_schema_extra=refused("empty_obj"))]
     user: Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
 
     def unsupported(self) -> str | None:
-        if self.logprobs not in (None, False, 0):
-            return f"logprobs={self.logprobs!r} is not supported"
         if self.logit_bias:
             return "logit_bias is not supported"
         return None
@@ -125,7 +122,8 @@ class _Sampling(_Body):
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: MaxTokens
-    top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20, json_schema_extra=refused("zero"))]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20)]
     tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
     tool_choice: Annotated[Any, Field(default=None, json_schema_extra=refused())]
     parallel_tool_calls: Annotated[bool | None, Field(default=None, json_schema_extra=refused())]
@@ -144,8 +142,8 @@ class ChatCompletionRequest(_Sampling):
             return "parallel_tool_calls was given without tools"
         if self.functions or self.function_call is not None:
             return "functions / function_call (legacy function calling) are not supported"
-        if self.top_logprobs:
-            return "top_logprobs is not supported"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs needs logprobs: true"
         if self.response_format and self.response_format.get("type", "text") != "text":
             return f"response_format {self.response_format.get('type')!r} is not supported (only 'text')"
         for i, message in enumerate(self.messages):
@@ -162,6 +160,8 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=2**31 - 1)]], Field(min_
 class CompletionRequest(_Sampling):
     prompt: PromptText | TokenIds | Annotated[list[PromptText], Field(min_length=1, max_length=1)] \
         | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
+    logprobs: Annotated[int | None, Field(default=None, ge=0, le=5, description="Alternatives per token "
+                                          "(OpenAI's legacy completions: up to 5).")]
     echo: Annotated[bool | None, Field(default=False, json_schema_extra=refused("false"))]
     suffix: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS,
                                         json_schema_extra=refused("empty_str"))]

@@ -149,11 +149,13 @@ class Job:
     stop: list[str]
     loop: asyncio.AbstractEventLoop
     endpoint: str = ""
+    top_logprobs: int | None = None  # log-probabilities asked for (alternatives per token), or None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     done: threading.Event = field(default_factory=threading.Event)
     stats: JobStats = field(default_factory=JobStats)
+    logprobs: list = field(default_factory=list)  # filled by a non-streaming collect
     submitted_at: float = field(default_factory=time.perf_counter)
     events_at_cancel: int | None = None
 
@@ -322,6 +324,7 @@ class GenerationWorker:
         try:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
+                                         top_logprobs=job.top_logprobs,
                                          prefill_step_size=self.prefill_chunk)
             try:
                 for event in events:
