@@ -127,6 +127,7 @@ class _Run:
     processors: list
     pending_ctx: list = field(default_factory=list)
     top_logprobs: int | None = None  # report log-probabilities (with this many alternatives) when set
+    overlap: bool = True  # build the verify graph while the drafts compute
     queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
     decided: int | None = None  # the next cycle's width, picked while that token was queued
 
@@ -297,7 +298,7 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     proposal = run.drafter.propose(mx.array([anchor]), _take_context(run), run.drafter_cache, width,
                                    run.params.temperature, run.next_key())
     drafts = proposal.tokens[0]
-    if run.processors:  # penalties need the drafted tokens on the host
+    if run.processors or not run.overlap:  # penalties need the drafted tokens on the host
         mx.eval(drafts)
     else:
         mx.async_eval(drafts)
@@ -404,7 +405,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
                     sampling: SamplingParams | None = None, block_size: int | None = None,
                     stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
                     block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True,
-                    top_logprobs: int | None = None):
+                    top_logprobs: int | None = None, overlap: bool | None = None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -424,6 +425,8 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             chunk; returning False cancels: the generator ends without yielding anything.
         pipelined: plain steps (without penalties) queue the next step before reading the last
             token back, as mlx-lm does; False runs the one-step-at-a-time twin.
+        overlap: build the verify graph while the drafts compute (default: on GPU backends; on
+            the CPU backend host work and kernels share the same cores, so it does not pay).
         top_logprobs: when set, each event carries `logprobs`: every token's log-probability
             under the target (from the verify rows, so equal to plain decoding's) and this
             many most likely alternatives (0 for none).
@@ -439,6 +442,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         drafter_cache=drafter.make_cache() if drafter is not None else None,
         taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
         history=list(ids), processors=make_processors(params), top_logprobs=top_logprobs,
+        overlap=overlap if overlap is not None else mx.default_device() == mx.gpu,
     )
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on

