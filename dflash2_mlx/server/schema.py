@@ -72,7 +72,8 @@ class TextPart(_Body):
 
 
 class OtherPart(_Body):
-    """An image / audio / file part: accepted by the schema, refused as unsupported."""
+    """A non-text content part (image, audio, file, tool block): accepted by the schema so the
+    refusal can name its type; a malformed text part is refused here instead."""
 
     type: Annotated[str, Field(max_length=64)]
 
@@ -309,22 +310,9 @@ class AnthropicText(_Body):
     text: Text
 
 
-class AnthropicOtherBlock(_Body):
-    """An image / document / tool_use / tool_result block: accepted by the schema, refused."""
-
-    type: Annotated[str, Field(max_length=64)]
-
-    @field_validator("type")
-    @classmethod
-    def _not_text(cls, value: str) -> str:
-        if value == "text":
-            raise ValueError("a 'text' block needs a string field 'text'")
-        return value
-
-
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: Text | Annotated[list[AnthropicText | AnthropicOtherBlock], Field(max_length=MAX_MESSAGES)]
+    content: Text | Annotated[list[AnthropicText | OtherPart], Field(max_length=MAX_MESSAGES)]
 
 
 class _AnthropicPrompt(_Body):
