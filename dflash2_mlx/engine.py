@@ -16,7 +16,6 @@ A proposed token equal to the drafter's mask id is an ordinary token.
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
@@ -146,10 +145,8 @@ def generation_stream():
 
 def _wired_limit(model):
     """mlx-lm's context that raises the wired-memory limit for a generation (no-op without Metal)."""
-    try:
-        from mlx_lm.generate import wired_limit
-    except ImportError:  # an mlx-lm without it: nothing to wire
-        return contextlib.nullcontext()
+    from mlx_lm.generate import wired_limit
+
     return wired_limit(model)
 
 
@@ -191,7 +188,7 @@ def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: in
 def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None) -> mx.array | None:
     """Feed the prompt in chunks; return the logits of its last position [1, 1, V].
 
-    `on_prefill(n_done, n_total)` runs after each chunk; a False return stops the prefill
+    `on_prefill(n_done, n_total)` runs before each chunk; a False return stops the prefill
     (None is returned), so a long prompt can be cancelled between chunks.
     """
     limit = run.drafter.config.context_limit if run.drafter is not None else None
@@ -290,9 +287,9 @@ def _step_plain(run: _Run, lookahead=None) -> tuple[list[int], CycleStats, list 
 
 
 def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
-    """One draft-verify cycle. The drafts are evaluated asynchronously while the host builds the
-    verify graph, and the verify is queued right behind them, so the device never waits on the
-    host; waiting on the drafts first still tells their finish time (`draft_s`) apart."""
+    """One draft-verify cycle. With `run.overlap` the drafts compute while the host builds the
+    verify graph, and the verify is queued right behind them; otherwise the drafts are
+    evaluated first. Either way, waiting on the drafts tells their finish time (`draft_s`) apart."""
     t0 = time.perf_counter()
     anchor = run.history[-1]
     proposal = run.drafter.propose(mx.array([anchor]), _take_context(run), run.drafter_cache, width,
@@ -315,7 +312,7 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
             else one_hot_q(drafts, p.shape[-1])
         outputs = rejection_sample(drafts, p, q, run.next_key())
     # Row j's reported token is the j-th emitted one: draft j+1 while accepted, then the pick.
-    info = _logprobs(run, rows, _emitted_rows(drafts, outputs, run.params.greedy))
+    info = None if run.top_logprobs is None else _logprobs(run, rows, _emitted_rows(drafts, outputs, run.params.greedy))
     mx.async_eval(*outputs, *(x for x in info or () if x is not None))
     mx.eval(drafts)
     t1 = time.perf_counter()
@@ -344,10 +341,10 @@ def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:
     return mx.where(idx == n_acc, nxt.astype(drafts.dtype), padded)
 
 
-def _find_stop(text: str, stop: list[str], start: int) -> int:
-    """Earliest index of a stop string in `text` that ends after `start`, or -1."""
-    hits = (text.find(s, max(0, start - len(s) + 1)) for s in stop)
-    return min((i for i in hits if i >= 0), default=-1)
+def _find_stop(text: str, stop: list[str], start: int) -> tuple[int, str | None]:
+    """Earliest (index, stop string) of a stop string in `text` that ends after `start`, or (-1, None)."""
+    hits = [(text.find(s, max(0, start - len(s) + 1)), s) for s in stop]
+    return min(((i, s) for i, s in hits if i >= 0), default=(-1, None), key=lambda hit: hit[0])
 
 
 class _Stopper:
@@ -378,11 +375,10 @@ class _Stopper:
 
     def _hit_stop(self) -> bool:
         # The text before `searched` held no match, so only one ending after it can be new.
-        start = self.searched
-        cut = _find_stop(self.text, self.stop, start)
+        cut, matched = _find_stop(self.text, self.stop, self.searched)
         self.searched = len(self.text)
         if cut >= 0:
-            self.matched = next(s for s in self.stop if self.text.find(s, max(0, start - len(s) + 1)) == cut)
+            self.matched = matched
             self.text = self.text[:cut]
             return True
         return False
