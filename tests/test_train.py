@@ -97,7 +97,7 @@ def test_selector_targets_use_the_true_predecessor(target):
     batch = Batch(hidden=None, valid_ctx=None, anchors=None, anchor_tokens=mx.array([[9]]),
                   labels=mx.array([[[7, 40]]]), label_mask=mx.ones((1, 1, 2)))
     h = mx.random.normal((1, 1, 2, 64), key=mx.random.key(0))
-    ce, in_set, _ = selector_terms(sel, h, logits, batch)
+    ce, _, in_set, _ = selector_terms(sel, h, logits, batch)
     assert np.array(in_set).tolist() == [[[True, False]]]  # 40 is not a candidate: excluded
     # Recompute position 0's CE by hand: predecessor = the anchor (9), target = index of 7.
     cands = np.array(mx.argpartition(logits, kth=-4, axis=-1)[..., -4:])[0, 0, 0]

@@ -59,18 +59,65 @@ def prepare_data(
     n_taps: Annotated[int, typer.Option("--n-taps", min=1)] = 5,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     temperature: Annotated[float, typer.Option("--temp", min=0.0, help="Response sampling temperature.")] = 0.0,
+    heldout: Annotated[bool, typer.Option("--heldout", help="Prompts from the end of the shuffled conversation "
+                                                           "list, which teacher-data never reaches: an "
+                                                           "evaluation set for fit --eval-data.")] = False,
 ) -> None:
+    from ..train.corpus import heldout_prompts
     from ..train.data import extract_features, generate_responses, sharegpt_prompts
     from ..train.init import default_target_layer_ids
 
     target = _target(model)
     layer_ids = _ids(taps) or default_target_layer_ids(target.n_layers, n_taps)
-    prompts = sharegpt_prompts(n_prompts, seed=seed)
+    prompts = heldout_prompts(n_prompts, seed=seed) if heldout else sharegpt_prompts(n_prompts, seed=seed)
     gens = generate_responses(target, prompts, out / "gen", max_new_tokens=max_new_tokens,
                               max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
                               shard_size=shard_size, temperature=temperature)
     feats = extract_features(target, gens, tuple(layer_ids), out / "feat")
     typer.echo(f"{len(prompts)} prompts -> {len(feats)} feature shards in {out / 'feat'} (taps {layer_ids})")
+
+
+@train_app.command("teacher-data", help="Teacher-forced data: run the target once over offline text (every ShareGPT "
+                                        "conversation, Python stdlib sources) and label each position with its own "
+                                        "argmax; no regeneration. Evaluation suites are filtered out. Writes "
+                                        "resumable tf-*.safetensors shards into OUT/feat (next to prepare-data's).")
+@user_errors
+def teacher_data(
+    model: ModelArg = None,
+    out: Annotated[Path, typer.Option("--out", help="Data directory (shards go to OUT/feat).")] = Path("data"),
+    n_docs: Annotated[int, typer.Option("--n-docs", min=1, help="How many documents to run.")] = 2048,
+    code_share: Annotated[float, typer.Option("--code-share", min=0.0, max=1.0,
+                                              help="Share of documents that are Python sources.")] = 0.25,
+    max_len: Annotated[int, typer.Option("--max-len", min=16, help="Tokens per document (cut).")] = 512,
+    shard_size: Annotated[int, typer.Option("--shard-size", min=1)] = 128,
+    taps: Annotated[Optional[str], typer.Option("--taps", help="Target layer ids (default: OUT/feat/taps.json "
+                                                                "when present, else 5 spread over the depth).")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    skip_docs: Annotated[int, typer.Option("--skip-docs", min=0, help="Skip the first N documents of the "
+                                                                     "shuffled corpus (another slice).")] = 0,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
+) -> None:
+    from ..train.corpus import EvalFilter, mixed_documents
+    from ..train.data import teacher_forced_features
+    from ..train.init import default_target_layer_ids
+
+    target = _target(model)
+    taps_file = out / "feat" / "taps.json"
+    layer_ids = _ids(taps) or (json.loads(taps_file.read_text())["target_layer_ids"] if taps_file.exists()
+                               else default_target_layer_ids(target.n_layers, 5))
+    if taps_file.exists() and json.loads(taps_file.read_text())["target_layer_ids"] != layer_ids:
+        raise typer.BadParameter(f"--taps {layer_ids} differ from {taps_file}'s existing shards")
+    stats: dict = {}
+    flt = EvalFilter.from_suites()
+    docs = mixed_documents(skip_docs + n_docs, code_share, seed=seed, eval_filter=flt, stats=stats)[skip_docs:]
+    paths = teacher_forced_features(target, docs, tuple(layer_ids), out / "feat", max_len=max_len,
+                                    shard_size=shard_size, first_shard=skip_docs // shard_size)
+    summary = {"documents": len(docs), "shards": [str(p) for p in paths], "taps": layer_ids,
+               "eval_filter": {"items": flt.items, **stats}}
+    typer.echo(json.dumps(summary) if json_out else
+               f"{len(docs)} documents -> {len(paths)} shards in {out / 'feat'} (taps {layer_ids}); eval filter "
+               f"over {flt.items} items dropped " + ", ".join(f"{k} {v['dropped_as_eval_overlap']}"
+                                                              for k, v in stats.items()))
 
 
 @train_app.command("fit", help="Train a drafter on prepared features; writes config.json + model.safetensors "
@@ -87,6 +134,9 @@ def fit(
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Selector candidates per position.")] = 16,
     mask_token_id: Annotated[Optional[int], typer.Option("--mask-token-id")] = None,
     init_from: Annotated[Optional[Path], typer.Option("--init-from", help="Upgrade this v1 drafter to v2.")] = None,
+    warm_start: Annotated[Optional[Path], typer.Option("--warm-start", help="Start from this drafter's weights "
+                                                       "(same arch; its config replaces --layers/--block-size/"
+                                                       "--selector-rank/--top-k/--mask-token-id).")] = None,
     freeze_backbone: Annotated[bool, typer.Option("--freeze-backbone", help="With --init-from: train only "
                                                                             "convs + selector.")] = False,
     steps: Annotated[int, typer.Option("--steps", min=1)] = 3000,
@@ -95,7 +145,27 @@ def fit(
     lr: Annotated[float, typer.Option("--lr", min=0.0)] = 6e-4,
     eval_every: Annotated[int, typer.Option("--eval-every", min=1)] = 100,
     save_every: Annotated[int, typer.Option("--save-every", min=1)] = 100,
-    holdout_shards: Annotated[int, typer.Option("--holdout-shards", min=0)] = 1,
+    holdout_shards: Annotated[int, typer.Option("--holdout-shards", min=0, help="Last shards of --data kept "
+                                                                        "for evaluation (0 with --eval-data).")] = 1,
+    eval_data: Annotated[Optional[Path], typer.Option("--eval-data", help="Evaluate on every shard of this "
+                                                                           "data directory instead.")] = None,
+    shards_glob: Annotated[str, typer.Option("--shards", help="Which shards of DATA/feat to train on (glob), "
+                                                              "e.g. 'tf-*' or 'feat-*'.")] = "*",
+    max_seqs: Annotated[int, typer.Option("--max-seqs", min=0, help="Train on the first N sequences of the "
+                                                                    "shards only (0: all); for data-size "
+                                                                    "scaling.")] = 0,
+    ce_weight: Annotated[float, typer.Option("--ce-weight", min=0.0, help="Block CE weight.")] = 1.0,
+    selector_weight: Annotated[float, typer.Option("--selector-weight", min=0.0,
+                                                   help="DFlash 2 selector CE weight.")] = 1.0,
+    selector_tv_weight: Annotated[float, typer.Option("--selector-tv-weight", min=0.0, help="DFlash 2 selector "
+                                                      "total-variation weight (e.g. 0.1/0.1/0.9 with the two "
+                                                      "above, as one public report needed).")] = 0.0,
+    train_vocab: Annotated[Optional[Path], typer.Option("--train-vocab", help="A proposal_vocab.json: train "
+                                                        "over its top --train-vocab-size ids only (the compact "
+                                                        "head the drafter drafts with); copied into OUT.")] = None,
+    train_vocab_size: Annotated[Optional[int], typer.Option("--train-vocab-size", min=1,
+                                                            help="Ids of --train-vocab used (default: its "
+                                                                 "default size).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoint.")] = True,
 ) -> None:
@@ -105,12 +175,24 @@ def fit(
     from ..train.model import FrozenParts
 
     target = _target(model)
-    shards = sorted((data / "feat").glob("feat-*.safetensors"))
+    shards = sorted((data / "feat").glob(f"{shards_glob}.safetensors"))
+    if eval_data is not None:
+        holdout_shards = 0
     if len(shards) <= holdout_shards:
-        raise typer.BadParameter(f"{data / 'feat'} has {len(shards)} shards; need more than --holdout-shards "
-                                 f"{holdout_shards}")
+        raise typer.BadParameter(f"{data / 'feat'} has {len(shards)} shards matching {shards_glob!r}; need more "
+                                 f"than --holdout-shards {holdout_shards}")
     taps = json.loads((data / "feat" / "taps.json").read_text())["target_layer_ids"]
-    if init_from is not None:
+    if warm_start is not None and init_from is not None:
+        raise typer.BadParameter("pass --warm-start or --init-from, not both")
+    if warm_start is not None:
+        drafter = load_drafter(warm_start, target, dtype="float32", draft_vocab=0)  # shipped bf16; train fp32
+        if drafter.config.is_v2 != (arch == "dflash2"):
+            raise typer.BadParameter(f"--warm-start {warm_start} is a {'dflash2' if drafter.config.is_v2 else 'dflash'} "
+                                     f"drafter, --arch is {arch}")
+        if list(drafter.config.target_layer_ids) != taps:
+            raise typer.BadParameter(f"--warm-start drafter taps {list(drafter.config.target_layer_ids)} != data "
+                                     f"taps {taps}")
+    elif init_from is not None:
         drafter = upgrade_to_v2(load_drafter(init_from, target), selector_rank, top_k, seed)
         if list(drafter.config.target_layer_ids) != taps:
             raise typer.BadParameter(f"--init-from drafter taps {list(drafter.config.target_layer_ids)} != data "
@@ -119,15 +201,49 @@ def fit(
         config = new_config(target, arch, n_layers=layers, block_size=block_size, target_layer_ids=taps,
                             mask_token_id=mask_token_id, selector_rank=selector_rank, selector_top_k=top_k)
         drafter = new_drafter(config, seed)
+    vocab, vocab_doc = _train_vocab(train_vocab, train_vocab_size, target.info.vocab_size)
     cfg = TrainConfig(steps=steps, seqs_per_batch=seqs, anchors_per_seq=anchors, lr=lr, eval_every=eval_every,
-                      save_every=save_every, seed=seed, freeze_backbone=freeze_backbone)
+                      save_every=save_every, seed=seed, freeze_backbone=freeze_backbone, ce_weight=ce_weight,
+                      selector_weight=selector_weight, selector_tv_weight=selector_tv_weight,
+                      train_vocab=vocab.size if vocab else 0)
     train_shards, eval_shards = shards[: len(shards) - holdout_shards], shards[len(shards) - holdout_shards :]
-    trainer = Trainer(drafter, FrozenParts.from_target(target), FeatureDataset(train_shards), cfg, out,
-                      eval_data=FeatureDataset(eval_shards) if eval_shards else None)
+    if eval_data is not None:
+        eval_shards = sorted((eval_data / "feat").glob("*.safetensors"))
+        if not eval_shards:
+            raise typer.BadParameter(f"--eval-data {eval_data} has no shards in {eval_data / 'feat'}")
+    train_set = FeatureDataset(train_shards, max_seqs=max_seqs or None)
+    typer.echo(f"training on {len(train_shards)} shards: {len(train_set)} sequences, {train_set.n_tokens} tokens "
+               f"({train_set.n_trainable} trainable)", err=True)
+    trainer = Trainer(drafter, FrozenParts.from_target(target), train_set, cfg, out,
+                      eval_data=FeatureDataset(eval_shards) if eval_shards else None, vocab=vocab)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data.json").write_text(json.dumps({
+        "arch": arch, "train_shards": [str(p) for p in train_shards], "eval_shards": [str(p) for p in eval_shards],
+        "sequences": len(train_set), "tokens": train_set.n_tokens, "trainable_tokens": train_set.n_trainable,
+        "warm_start": str(warm_start) if warm_start else None, "train_vocab": cfg.train_vocab}, indent=1))
+    if vocab_doc is not None:
+        (out / "proposal_vocab.json").write_text(json.dumps(vocab_doc, separators=(",", ":")) + "\n")
     if resume and trainer.resume():
         typer.echo(f"resumed from {out / 'checkpoint'} at step {trainer.state.step}", err=True)
     state = trainer.run()
     typer.echo(f"wrote {out} after {state.step} steps", err=True)
+
+
+def _train_vocab(path: Path | None, size: int | None, vocab_size: int):
+    """(TrainVocab, the vocab file's JSON with `size` as its default) or (None, None)."""
+    if path is None:
+        if size is not None:
+            raise typer.BadParameter("--train-vocab-size needs --train-vocab FILE")
+        return None, None
+    from ..drafter.vocab import read_vocab_file
+    from ..train.loss import TrainVocab
+
+    pv = read_vocab_file(path)
+    if pv.vocab_size != vocab_size:
+        raise typer.BadParameter(f"--train-vocab {path} ranks a {pv.vocab_size}-id vocab; the target has {vocab_size}")
+    pv = pv.resized(size or pv.size)
+    doc = json.loads(Path(path).read_text()) | {"default_size": pv.size}
+    return TrainVocab(sorted(pv.ranked[: pv.size]), vocab_size), doc
 
 
 @train_app.command("export", help="Copy a trained drafter (OUT of fit, or its checkpoint/) to DEST with its "

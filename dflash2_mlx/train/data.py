@@ -136,20 +136,73 @@ def generate_responses(target, prompts: list[str], out_dir: Path, max_new_tokens
 
 @dataclass
 class FeatureShard:
-    """One shard of training sequences: tokens, where the response starts, tapped states."""
+    """One shard of training sequences: tokens, labels, where anchors may go, tapped states.
+
+    `labels[i]` is the target's argmax after tokens[:i+1] (its next token); `anchor_ok[i]` is 1
+    where a block may start (response / assistant tokens). Shards written before labels were
+    stored derive them: the next token, and anchors from `response_start` on.
+    """
 
     tokens: np.ndarray  # [N] int32, all sequences concatenated
     offsets: np.ndarray  # [n_seq + 1] int64, sequence i is tokens[offsets[i]:offsets[i+1]]
-    response_start: np.ndarray  # [n_seq] int32, index (within the sequence) of the first response token
+    response_start: np.ndarray  # [n_seq] int32, index (within the sequence) of the first trainable token
     hidden: np.ndarray  # [N, n_taps * H] float16
+    labels: np.ndarray | None = None  # [N] int32
+    anchor_ok: np.ndarray | None = None  # [N] uint8
+
+    def __post_init__(self):
+        if self.labels is None:
+            self.labels = np.concatenate([self.tokens[1:], self.tokens[-1:]]).astype(np.int32)
+        if self.anchor_ok is None:
+            ok = np.zeros(len(self.tokens), dtype=np.uint8)
+            for i in range(len(self)):
+                ok[self.offsets[i] + self.response_start[i] : self.offsets[i + 1]] = 1
+            self.anchor_ok = ok
 
     @classmethod
     def load(cls, path: Path) -> "FeatureShard":
         arrays = mx.load(str(path))
-        return cls(*(np.array(arrays[k]) for k in ("tokens", "offsets", "response_start", "hidden")))
+        fields = [np.array(arrays[k]) for k in ("tokens", "offsets", "response_start", "hidden")]
+        extra = [np.array(arrays[k]) if k in arrays else None for k in ("labels", "anchor_ok")]
+        return cls(*fields, *extra)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+
+class ShardWriter:
+    """Collects sequences (tokens, labels, trainable mask, states) into one shard file."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self.tokens, self.labels, self.ok, self.offsets, self.starts, self.hidden = [], [], [], [0], [], []
+
+    def add(self, seq: list[int], labels: mx.array, trainable: list[int], hidden: mx.array) -> None:
+        self.tokens.extend(seq)
+        self.labels.append(labels.astype(mx.int32))
+        self.ok.extend(trainable)
+        self.offsets.append(len(self.tokens))
+        self.starts.append(trainable.index(1) if 1 in trainable else len(seq))
+        self.hidden.append(hidden.astype(mx.float16))
+
+    def write(self, path: Path) -> None:
+        empty = len(self.starts) == 0
+        arrays = {
+            "tokens": mx.array(self.tokens, dtype=mx.int32), "offsets": mx.array(self.offsets, dtype=mx.int64),
+            "response_start": mx.array(self.starts, dtype=mx.int32),
+            "labels": mx.zeros((0,), mx.int32) if empty else mx.concatenate(self.labels),
+            "anchor_ok": mx.array(self.ok, dtype=mx.uint8),
+            "hidden": mx.zeros((0, self.width), mx.float16) if empty else mx.concatenate(self.hidden, axis=0),
+        }
+        _atomic_write(path, lambda p: mx.save_safetensors(str(p), arrays))
+
+
+def target_pass(target, seq: list[int], taps: tuple[int, ...]) -> tuple[mx.array, mx.array]:
+    """(argmax labels [L], tapped states [L, n_taps*H]) of one teacher-forced target pass."""
+    logits, h = target.forward(mx.array([seq]), target.make_cache(reserve=1), taps, logits="all")
+    labels, h = mx.argmax(logits[0], axis=-1), h[0].astype(mx.float16)
+    mx.eval(labels, h)
+    return labels, h
 
 
 def extract_features(target, gen_paths: list[Path], taps: tuple[int, ...], out_dir: Path,
@@ -168,25 +221,52 @@ def extract_features(target, gen_paths: list[Path], taps: tuple[int, ...], out_d
             if path.exists():
                 bar.advance(task, len(rows))
                 continue
-            tokens, offsets, starts, hidden = [], [0], [], []
+            writer = ShardWriter(len(taps) * target.hidden_size)
             for row in rows:
                 seq = (row["prompt_ids"] + row["response_ids"])[:max_len]
-                if len(row["response_ids"]) < 2 or len(row["prompt_ids"]) >= len(seq) - 1:
+                n_prompt = len(row["prompt_ids"])
+                if len(row["response_ids"]) < 2 or n_prompt >= len(seq) - 1:
                     bar.advance(task)
                     continue
-                _, h = target.forward(mx.array([seq]), target.make_cache(reserve=1), taps, logits="none")
-                h = h[0].astype(mx.float16)
-                mx.eval(h)
-                tokens.extend(seq)
-                offsets.append(len(tokens))
-                starts.append(len(row["prompt_ids"]))
-                hidden.append(h)
+                labels, h = target_pass(target, seq, taps)
+                writer.add(seq, labels, [0] * n_prompt + [1] * (len(seq) - n_prompt), h)
                 bar.advance(task)
-            width = len(taps) * target.hidden_size
-            arrays = {
-                "tokens": mx.array(tokens, dtype=mx.int32), "offsets": mx.array(offsets, dtype=mx.int64),
-                "response_start": mx.array(starts, dtype=mx.int32),
-                "hidden": mx.concatenate(hidden, axis=0) if hidden else mx.zeros((0, width), mx.float16),
-            }
-            _atomic_write(path, lambda p: mx.save_safetensors(str(p), arrays))
+            writer.write(path)
+    return paths
+
+
+def teacher_forced_features(target, documents: list[list[dict]], taps: tuple[int, ...], out_dir: Path,
+                            max_len: int = 512, shard_size: int = 128, max_turn_chars: int = 1500,
+                            first_shard: int = 0) -> list[Path]:
+    """Teacher-forced data: one target pass over each chat document (no regeneration).
+
+    Labels are the target's own argmax at every position; anchors may start inside assistant
+    turns only. Shards `tf-NNNNN.safetensors` (numbered from `first_shard`); done shards are
+    skipped, so an interrupted run resumes where it stopped.
+    """
+    from .corpus import conversation_ids
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "taps.json").write_text(json.dumps({"target_layer_ids": list(taps)}))
+    shards = [documents[i : i + shard_size] for i in range(0, len(documents), shard_size)]
+    paths = [out_dir / f"tf-{first_shard + s:05d}.safetensors" for s in range(len(shards))]
+    with _progress() as bar:
+        task = bar.add_task("teacher-forcing the target", total=len(documents), info="")
+        n_tok = 0
+        for shard, path in zip(shards, paths):
+            if path.exists():
+                bar.advance(task, len(shard))
+                continue
+            writer = ShardWriter(len(taps) * target.hidden_size)
+            for messages in shard:
+                messages = [m | {"content": m["content"][:max_turn_chars]} if m["role"] == "user" else m
+                            for m in messages]
+                seq, trainable = conversation_ids(target.tokenizer, messages, max_len)
+                if sum(trainable) >= 2:
+                    labels, h = target_pass(target, seq, taps)
+                    writer.add(seq, labels, trainable, h)
+                    n_tok += len(seq)
+                bar.advance(task)
+                bar.update(task, info=f"{n_tok} tokens")
+            writer.write(path)
     return paths

@@ -25,7 +25,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..drafter.load import read_checkpoint, save_drafter, build_drafter
 from ..drafter.config import parse_config
 from .data import FeatureShard
-from .loss import Batch, drafter_loss, estimated_tau, position_weights
+from .loss import Batch, LossWeights, TrainVocab, drafter_loss, estimated_tau, position_weights
 
 
 @dataclass
@@ -40,6 +40,9 @@ class TrainConfig:
     grad_clip: float = 1.0
     gamma: float | None = None
     selector_weight: float = 1.0
+    selector_tv_weight: float = 0.0
+    ce_weight: float = 1.0
+    train_vocab: int = 0  # train over the N most frequent ids of the drafter's proposal vocab; 0: all
     seed: int = 0
     eval_every: int = 100
     eval_batches: int = 4
@@ -48,28 +51,39 @@ class TrainConfig:
 
 
 class FeatureDataset:
-    """All feature shards in memory (numpy), sampled into `Batch`es."""
+    """All feature shards in memory (numpy), sampled into `Batch`es.
 
-    def __init__(self, paths: list[Path]):
+    A block anchored at t (a trainable position) has labels `labels[t + k - 1]` for k = 1..B-1
+    (the target's next token after t + k - 1), counted where that position is still trainable.
+    """
+
+    def __init__(self, paths: list[Path], max_seqs: int | None = None):
         shards = [FeatureShard.load(p) for p in paths]
         shards = [s for s in shards if len(s)]
         if not shards:
             raise ValueError(f"no training sequences in {[str(p) for p in paths]}")
         base = np.cumsum([0] + [len(s.tokens) for s in shards[:-1]])
         self.tokens = np.concatenate([s.tokens for s in shards])
+        self.labels = np.concatenate([s.labels for s in shards])
+        self.anchor_ok = np.concatenate([s.anchor_ok for s in shards]).astype(bool)
         self.hidden = np.concatenate([s.hidden for s in shards])
         self.starts = np.concatenate([s.offsets[:-1] + b for s, b in zip(shards, base)])
         self.ends = np.concatenate([s.offsets[1:] + b for s, b in zip(shards, base)])
-        self.response = np.concatenate([s.response_start for s in shards])
-        usable = self.ends - self.starts - 1 > self.response
-        self.seq_ids = np.nonzero(usable)[0]
+        usable = np.array([self.anchor_ok[s:e].any() for s, e in zip(self.starts, self.ends)], dtype=bool)
+        self.seq_ids = np.nonzero(usable)[0][:max_seqs]
 
     def __len__(self) -> int:
         return len(self.seq_ids)
 
     @property
     def n_tokens(self) -> int:
-        return int(len(self.tokens))
+        """Tokens of the sequences in use."""
+        return int((self.ends[self.seq_ids] - self.starts[self.seq_ids]).sum())
+
+    @property
+    def n_trainable(self) -> int:
+        """Positions a block may start at, in the sequences in use."""
+        return int(sum(self.anchor_ok[self.starts[i] : self.ends[i]].sum() for i in self.seq_ids))
 
     def batch(self, rng: np.random.Generator, n_seqs: int, n_anchors: int, block_size: int) -> Batch:
         seqs = self.seq_ids[rng.integers(0, len(self.seq_ids), size=n_seqs)]
@@ -83,17 +97,17 @@ class FeatureDataset:
         anchor_tokens = np.zeros((n_seqs, n_anchors), dtype=np.int32)
         for i, (seq, n) in enumerate(zip(seqs, lengths)):
             s = self.starts[seq]
-            toks = self.tokens[s : s + n]
+            ok = self.anchor_ok[s : s + n]
             hidden[i, :n] = self.hidden[s : s + n]
-            lo, hi = int(self.response[seq]), int(n) - 2  # anchors whose next token exists
-            pool = np.arange(lo, hi + 1)
+            pool = np.nonzero(ok)[0]
             pick = rng.choice(pool, size=n_anchors, replace=len(pool) < n_anchors)
             anchors[i] = pick
-            anchor_tokens[i] = toks[pick]
-            pos = pick[:, None] + np.arange(1, block_size)[None, :]
-            ok = pos < n
-            labels[i] = np.where(ok, toks[np.minimum(pos, n - 1)], 0)
-            mask[i] = ok
+            anchor_tokens[i] = self.tokens[s + pick]
+            pos = pick[:, None] + np.arange(block_size - 1)[None, :]
+            inside = pos < n
+            pos = np.minimum(pos, n - 1)
+            labels[i] = np.where(inside, self.labels[s + pos], 0)
+            mask[i] = inside & ok[pos]
         return Batch(mx.array(hidden), mx.array(lengths.astype(np.int32)), mx.array(anchors),
                      mx.array(anchor_tokens), mx.array(labels), mx.array(mask))
 
@@ -114,7 +128,7 @@ class Trainer:
     """Owns the drafter, optimizer, data and checkpoints of one training run."""
 
     def __init__(self, drafter, parts, data: FeatureDataset, cfg: TrainConfig, out_dir: Path,
-                 eval_data: FeatureDataset | None = None):
+                 eval_data: FeatureDataset | None = None, vocab: TrainVocab | None = None):
         self.drafter, self.data, self.eval_data, self.cfg = drafter, data, eval_data, cfg
         self.out_dir = Path(out_dir)
         drafter.target = parts
@@ -127,13 +141,18 @@ class Trainer:
                 layer.mlp_conv.unfreeze()
             drafter.candidate_selector.unfreeze()
         self.weights = position_weights(drafter.config.block_size, cfg.gamma)
+        self.loss_weights = LossWeights(cfg.ce_weight, cfg.selector_weight, cfg.selector_tv_weight)
+        self.vocab = vocab
+        self.head = None if vocab is None else vocab.head(parts)
+        if self.head is not None:
+            mx.eval(self.head)
         self.optimizer = optim.AdamW(learning_rate=lr_schedule(cfg), weight_decay=cfg.weight_decay)
         self.optimizer.init(drafter.trainable_parameters())
         self.state = TrainState()
         self._grad = nn.value_and_grad(drafter, self._loss)
 
     def _loss(self, batch: Batch):
-        loss, metrics = drafter_loss(self.drafter, batch, self.weights, self.cfg.selector_weight)
+        loss, metrics = drafter_loss(self.drafter, batch, self.weights, self.loss_weights, self.vocab, self.head)
         return loss, metrics
 
     def make_batch(self, step: int, data: FeatureDataset | None = None) -> Batch:

@@ -42,6 +42,19 @@ class FrozenParts:
         return hidden @ self.head_weight.T
 
 
+def context_mask(anchors: mx.array, n_ctx: int, valid_ctx: mx.array, block_size: int,
+                 window: int | None) -> mx.array:
+    """Boolean [S, 1, A*B, T]: block a's queries see real context positions before t_a (in the window)."""
+    S, A = anchors.shape
+    B, T = block_size, n_ctx
+    q_pos = (anchors[:, :, None] + mx.arange(B)).reshape(S, A * B)[:, :, None]  # [S, AB, 1]
+    p = mx.arange(T)[None, None, :]
+    ctx_ok = (p < mx.repeat(anchors, B, axis=1)[:, :, None]) & (p < valid_ctx[:, None, None])
+    if window is not None:
+        ctx_ok = ctx_ok & (q_pos - p < window)
+    return ctx_ok[:, None]
+
+
 def training_mask(anchors: mx.array, n_ctx: int, valid_ctx: mx.array, block_size: int,
                   window: int | None, causal: bool) -> mx.array:
     """Boolean mask [S, 1, A*B, T + A*B] for the flattened blocks of each sequence.
@@ -49,20 +62,15 @@ def training_mask(anchors: mx.array, n_ctx: int, valid_ctx: mx.array, block_size
     anchors [S, A] (positions), valid_ctx [S] (real context length of each padded sequence).
     """
     S, A = anchors.shape
-    B, T = block_size, n_ctx
+    B = block_size
     k = mx.arange(B)
-    q_pos = (anchors[:, :, None] + k).reshape(S, A * B)[:, :, None]  # [S, AB, 1]
-    p = mx.arange(T)[None, None, :]
-    ctx_ok = (p < mx.repeat(anchors, B, axis=1)[:, :, None]) & (p < valid_ctx[:, None, None])
-    if window is not None:
-        ctx_ok = ctx_ok & (q_pos - p < window)
     qa = mx.repeat(mx.arange(A), B)[:, None]
     ka = mx.repeat(mx.arange(A), B)[None, :]
     blk_ok = qa == ka
     if causal:
         blk_ok = blk_ok & (mx.tile(k, A)[None, :] <= mx.tile(k, A)[:, None])
-    blk_ok = mx.broadcast_to(blk_ok[None], (S, A * B, A * B))
-    return mx.concatenate([ctx_ok, blk_ok], axis=-1)[:, None]
+    blk_ok = mx.broadcast_to(blk_ok[None, None], (S, 1, A * B, A * B))
+    return mx.concatenate([context_mask(anchors, n_ctx, valid_ctx, B, window), blk_ok], axis=-1)
 
 
 def _block_attention(attn, u: mx.array, ctx: mx.array, anchors: mx.array, rope, mask: mx.array) -> mx.array:
@@ -80,9 +88,40 @@ def _block_attention(attn, u: mx.array, ctx: mx.array, anchors: mx.array, rope, 
     return attn.attend(flat(q), keys, values, mask).reshape(S, A, B, H)
 
 
+def _local_block_attention(attn, u: mx.array, ctx: mx.array, anchors: mx.array, rope, ctx_mask: mx.array) -> mx.array:
+    """`_block_attention` without the [A*B, A*B] cross-block scores: each block's keys are
+    scored against its own queries only, so the cost grows linearly with the anchors.
+
+    u [S, A, B, H], ctx [S, T, H], ctx_mask [S, 1, A*B, T] (the context part of the mask).
+    """
+    S, A, B, H = u.shape
+    kvh, D = attn.n_kv_heads, attn.head_dim
+    g = attn.n_heads // kvh
+    k_ctx, v_ctx = attn.context_kv(ctx, rope, 0)  # [S, kvh, T, D]
+    q, k_blk, v_blk = attn.block_qkv(u.reshape(S * A, B, H), rope, anchors.reshape(S * A))
+    q = q.reshape(S * A, kvh, g, B, D) * attn.scale
+    q_flat = q.reshape(S, A, kvh, g, B, D).transpose(0, 2, 3, 1, 4, 5).reshape(S, kvh, g, A * B, D)
+    s_ctx = q_flat @ k_ctx[:, :, None].swapaxes(-1, -2)  # [S, kvh, g, AB, T]
+    s_blk = q @ k_blk[:, :, None].swapaxes(-1, -2)  # [S*A, kvh, g, B, B]
+    s_blk = s_blk.reshape(S, A, kvh, g, B, B).transpose(0, 2, 3, 1, 4, 5).reshape(S, kvh, g, A * B, B)
+    blk_ok = mx.tril(mx.ones((B, B), dtype=mx.bool_)) if attn.causal else mx.ones((B, B), dtype=mx.bool_)
+    blk_ok = mx.tile(blk_ok, (A, 1))
+    mask = mx.concatenate([mx.broadcast_to(ctx_mask[:, :, None], s_ctx.shape),
+                           mx.broadcast_to(blk_ok, s_blk.shape)], axis=-1)
+    scores = mx.where(mask, mx.concatenate([s_ctx, s_blk], axis=-1), -mx.inf)
+    p = mx.softmax(scores.astype(mx.float32), axis=-1).astype(q.dtype)
+    T = s_ctx.shape[-1]
+    out_ctx = p[..., :T] @ v_ctx[:, :, None]  # [S, kvh, g, AB, D]
+    p_blk = p[..., T:].reshape(S, kvh, g, A, B, B).transpose(0, 3, 1, 2, 4, 5).reshape(S * A, kvh, g, B, B)
+    out_blk = (p_blk @ v_blk[:, :, None]).reshape(S, A, kvh, g, B, D).transpose(0, 2, 3, 1, 4, 5)
+    out = (out_ctx + out_blk.reshape(S, kvh, g, A * B, D)).reshape(S, kvh * g, A * B, D)
+    return attn.o_proj(out.transpose(0, 2, 1, 3).reshape(S, A * B, -1)).reshape(S, A, B, H)
+
+
 def training_hidden(drafter, target_hidden: mx.array, valid_ctx: mx.array, anchor_tokens: mx.array,
-                    anchors: mx.array) -> mx.array:
-    """Final-normed draft states for every block.
+                    anchors: mx.array, local: bool = True) -> mx.array:
+    """Final-normed draft states for every block (`local`: the linear-cost attention; False:
+    its slow twin with one full [A*B, T + A*B] mask).
 
     Shapes:
         target_hidden [S, T, n_taps * H_t] (padded), valid_ctx [S],
@@ -101,7 +140,11 @@ def training_hidden(drafter, target_hidden: mx.array, valid_ctx: mx.array, ancho
         attn = layer.self_attn
         kind = (attn.window, attn.causal)
         if kind not in masks_by_kind:
-            masks_by_kind[kind] = training_mask(anchors, ctx.shape[1], valid_ctx, B, attn.window, attn.causal)
+            masks_by_kind[kind] = (context_mask(anchors, ctx.shape[1], valid_ctx, B, attn.window) if local else
+                                   training_mask(anchors, ctx.shape[1], valid_ctx, B, attn.window, attn.causal))
         mask = masks_by_kind[kind]
-        x = layer(x, lambda a, u, m=mask: _block_attention(a, u, ctx, anchors, drafter.rope, m))
+        if local:  # the block part of the mask is implicit: each block attends to itself
+            x = layer(x, lambda a, u, m=mask: _local_block_attention(a, u, ctx, anchors, drafter.rope, m))
+        else:
+            x = layer(x, lambda a, u, m=mask: _block_attention(a, u, ctx, anchors, drafter.rope, m))
     return drafter.norm(x)

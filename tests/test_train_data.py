@@ -1,0 +1,204 @@
+"""Teacher-forced training data: labels are the target's argmax, eval suites never enter it,
+the subset-vocabulary loss equals the full loss when the subset is everything."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from dflash2_mlx import prompts as suites
+from dflash2_mlx.train.corpus import EvalFilter, conversation_ids, filter_documents, python_sources
+from dflash2_mlx.train.data import FeatureShard, teacher_forced_features
+from dflash2_mlx.train.init import new_config, new_drafter
+from dflash2_mlx.train.loop import FeatureDataset
+from dflash2_mlx.train.loss import Batch, LossWeights, TrainVocab, drafter_loss, position_weights, selector_terms
+from dflash2_mlx.train.model import FrozenParts, training_hidden
+from mlx.utils import tree_flatten
+from tiny import MASK_ID, tiny_drafter, tiny_target
+
+TEMPLATE = ("{% for m in messages %}{{ 'U: ' if m.role == 'user' else 'A: ' }}{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}A: {% endif %}")
+DOCS = [
+    [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there, friend!"}],
+    [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "1 2 3 4 5"},
+     {"role": "user", "content": "More?"}, {"role": "assistant", "content": "6 7 8."}],
+    [{"role": "user", "content": "Why is the sky blue?"}, {"role": "assistant", "content": "Rayleigh scattering."}],
+]
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = tiny_target("qwen3")
+    t.tokenizer._tokenizer.chat_template = TEMPLATE
+    return t
+
+
+@pytest.fixture(scope="module")
+def shards(target, tmp_path_factory):
+    return teacher_forced_features(target, DOCS, (0, 2, 3), tmp_path_factory.mktemp("tf"), max_len=40, shard_size=2)
+
+
+def test_conversation_ids_mark_assistant_turns_only(target):
+    ids, trainable = conversation_ids(target.tokenizer, DOCS[1], max_len=200)
+    text = target.tokenizer.decode(ids)
+    assert text == "U: Count.\nA: 1 2 3 4 5\nU: More?\nA: 6 7 8.\n"
+    marked = "".join(target.tokenizer.decode([t]) for t, ok in zip(ids, trainable) if ok)
+    assert marked == "1 2 3 4 5\n6 7 8.\n"
+    cut, cut_ok = conversation_ids(target.tokenizer, DOCS[1], max_len=10)
+    assert cut == ids[:10] and cut_ok == trainable[:10]
+
+
+def test_teacher_forced_labels_are_the_targets_argmax(target, shards):
+    assert [p.name for p in shards] == ["tf-00000.safetensors", "tf-00001.safetensors"]
+    n_seen = 0
+    for path in shards:
+        shard = FeatureShard.load(path)
+        for i in range(len(shard)):
+            a, b = shard.offsets[i], shard.offsets[i + 1]
+            seq = shard.tokens[a:b].tolist()
+            logits, h = target.forward(mx.array([seq]), target.make_cache(), (0, 2, 3), logits="all")
+            assert shard.labels[a:b].tolist() == np.array(mx.argmax(logits[0], axis=-1)).tolist()
+            np.testing.assert_allclose(shard.hidden[a:b], np.array(h[0]).astype(np.float16), rtol=1e-2, atol=1e-2)
+            expected_ok = conversation_ids(target.tokenizer, DOCS[n_seen], 40)[1]
+            assert shard.anchor_ok[a:b].tolist() == expected_ok
+            n_seen += 1
+    assert n_seen == len(DOCS)
+
+
+def test_teacher_forced_shards_resume_by_skipping_done_ones(target, shards):
+    before = [p.stat().st_mtime_ns for p in shards]
+    again = teacher_forced_features(target, DOCS, (0, 2, 3), shards[0].parent, max_len=40, shard_size=2)
+    assert again == shards and [p.stat().st_mtime_ns for p in again] == before
+
+
+def test_blocks_take_argmax_labels_inside_assistant_turns(target, shards):
+    data = FeatureDataset(shards)
+    batch = data.batch(np.random.default_rng(0), n_seqs=6, n_anchors=5, block_size=4)
+    anchors, labels, mask = np.array(batch.anchors), np.array(batch.labels), np.array(batch.label_mask)
+    assert mask.sum() > 0
+    checked = 0
+    seqs = data.seq_ids[np.random.default_rng(0).integers(0, len(data.seq_ids), size=6)]  # batch()'s first draw
+    for i, seq in enumerate(seqs):
+        n, s0 = int(batch.valid_ctx[i]), data.starts[seq]
+        assert n == data.ends[seq] - s0
+        for a, t in enumerate(anchors[i]):
+            assert data.anchor_ok[s0 + t]
+            for k in range(3):
+                pos = t + k
+                ok = pos < n and data.anchor_ok[s0 + pos]
+                assert bool(mask[i, a, k]) == ok
+                if ok:
+                    assert labels[i, a, k] == data.labels[s0 + pos]
+                    checked += 1
+    assert checked > 10
+
+
+def test_old_shards_without_labels_derive_them(tmp_path):
+    tokens = np.arange(10, dtype=np.int32)
+    shard = FeatureShard(tokens, np.array([0, 4, 10]), np.array([2, 1], dtype=np.int32),
+                         np.zeros((10, 3), np.float16))
+    assert shard.labels[:-1].tolist() == list(range(1, 10))
+    assert shard.anchor_ok.tolist() == [0, 0, 1, 1, 0, 1, 1, 1, 1, 1]
+
+
+def test_a_planted_benchmark_question_is_filtered_out():
+    flt = EvalFilter.from_suites()
+    assert flt.items > 100
+    for name in suites.DEFAULT_SUITES:
+        item = suites.load_suite(name, 3).prompts[1].text
+        words = item.split()
+        planted = "Here is something I found:  " + " ".join(words[: min(len(words), 40)]).upper() + " thanks"
+        doc = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": planted}]
+        assert not flt.keep(doc), name
+    clean = [{"role": "user", "content": "Tell me about the history of tea in China."},
+             {"role": "assistant", "content": "Tea has been drunk in China for thousands of years."}]
+    planted = [{"role": "user", "content": suites.load_suite("gsm8k", 1).prompts[0].text}]
+    kept, dropped = filter_documents([clean, planted, clean], 5, flt)
+    assert kept == [clean, clean] and dropped == 1
+
+
+def test_short_eval_items_match_whole_and_long_ones_by_ngrams():
+    flt = EvalFilter(["Write a function to add two numbers", "one two three four five six seven eight nine ten "
+                      "eleven twelve"], n=10)
+    assert flt.contaminated("please: write a FUNCTION to add two numbers, now")
+    assert not flt.contaminated("write a function to add numbers")
+    assert flt.contaminated("x three four five six seven eight nine ten eleven twelve y")
+    assert not flt.contaminated("one two three four five six seven eight nine")
+
+
+def test_python_sources_are_assistant_code_replies(tmp_path):
+    (tmp_path / "mod.py").write_text("import os\n\n" + "".join(f"def f{i}():\n    return {i}\n\n" for i in range(80)))
+    docs = python_sources(tmp_path, chunk_chars=400)
+    assert len(docs) > 3
+    for doc in docs:
+        assert doc[0]["role"] == "user" and "`mod`" in doc[0]["content"]
+        assert doc[1]["content"].startswith("```python\n") and doc[1]["content"].endswith("\n```")
+    joined = "\n".join(d[1]["content"][10:-4] for d in sorted(docs, key=lambda d: int(d[0]["content"].split()[3])))
+    assert "def f0():" in joined and "def f79():" in joined
+
+
+def _batch(target, vocab_size=97, S=2, T=12, A=3, B=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return Batch(mx.array(rng.standard_normal((S, T, 3 * 64)).astype(np.float32)), mx.array([T, T - 2]),
+                 mx.array(rng.integers(0, T - 4, (S, A)).astype(np.int32)),
+                 mx.array(rng.integers(3, vocab_size, (S, A)).astype(np.int32)),
+                 mx.array(rng.integers(3, vocab_size, (S, A, B - 1)).astype(np.int32)), mx.ones((S, A, B - 1)))
+
+
+def test_train_vocab_over_every_id_equals_the_full_loss(target):
+    drafter = tiny_drafter(target, "dflash2", block_size=4, top_k=8)
+    drafter.target = FrozenParts.from_target(target)
+    V = drafter.config.vocab_size
+    batch, w = _batch(target, V), position_weights(4)
+    lw = LossWeights(0.1, 0.1, 0.9)
+    full_loss, full_m = drafter_loss(drafter, batch, w, lw)
+    vocab = TrainVocab(np.arange(V), V)
+    sub_loss, sub_m = drafter_loss(drafter, batch, w, lw, vocab, vocab.head(drafter.target))
+    assert float(sub_loss) == pytest.approx(float(full_loss), rel=1e-5)
+    for k in full_m:
+        np.testing.assert_allclose(np.array(sub_m[k]), np.array(full_m[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_train_vocab_counts_labels_outside_it_as_misses(target):
+    drafter = tiny_drafter(target, "dflash2", block_size=4, top_k=8)
+    drafter.target = FrozenParts.from_target(target)
+    V = drafter.config.vocab_size
+    batch = _batch(target, V)
+    keep = np.unique(np.array(batch.labels)[0, 0])  # only a few labels are in the vocab
+    vocab = TrainVocab(np.union1d(keep, np.arange(3, 20)), V)
+    _, m = drafter_loss(drafter, batch, position_weights(4), LossWeights(), vocab, vocab.head(drafter.target))
+    labels = np.array(batch.labels)
+    in_vocab = np.isin(labels, np.array(vocab.ids)).mean(axis=(0, 1))
+    assert (np.array(m["recall"]) <= in_vocab + 1e-6).all() and (np.array(m["top1"]) <= in_vocab + 1e-6).all()
+    with pytest.raises(ValueError, match="sorted"):
+        TrainVocab([5, 3], V)
+
+
+def test_selector_tv_is_one_minus_the_true_candidates_probability(target):
+    drafter = tiny_drafter(target, "dflash2", block_size=3, top_k=4)
+    logits = mx.random.normal((1, 1, 2, 97), key=mx.random.key(2)) * 3
+    cands = np.array(mx.argpartition(logits, kth=-4, axis=-1)[..., -4:])[0, 0]
+    labels = mx.array([[[int(cands[0, 2]), int(cands[1, 0])]]])
+    batch = Batch(None, None, None, mx.array([[9]]), labels, mx.ones((1, 1, 2)))
+    h = mx.random.normal((1, 1, 2, 64), key=mx.random.key(0))
+    ce, tv, in_set, _ = selector_terms(drafter.candidate_selector, h, logits, batch)
+    assert np.array(in_set).all()
+    np.testing.assert_allclose(np.array(tv), 1 - np.exp(-np.array(ce)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_local_block_attention_equals_the_full_mask_twin(target, causal):
+    drafter = tiny_drafter(target, "dflash2", block_size=4, sliding_window=8,
+                           layer_types=["sliding_attention", "full_attention"])
+    for layer in drafter.layers:
+        layer.self_attn.causal = causal
+    drafter.target = FrozenParts.from_target(target)
+    batch = _batch(target, drafter.config.vocab_size, S=2, T=16, A=5)
+    args = (batch.hidden, batch.valid_ctx, batch.anchor_tokens, batch.anchors)
+    fast = training_hidden(drafter, *args, local=True)
+    slow = training_hidden(drafter, *args, local=False)
+    np.testing.assert_allclose(np.array(fast), np.array(slow), rtol=1e-4, atol=1e-5)
+    g_fast = nn.value_and_grad(drafter, lambda: training_hidden(drafter, *args, local=True).sum())()[1]
+    g_slow = nn.value_and_grad(drafter, lambda: training_hidden(drafter, *args, local=False).sum())()[1]
+    for (k, a), (_, b) in zip(tree_flatten(g_fast), tree_flatten(g_slow)):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-3, atol=1e-3, err_msg=k)
