@@ -1,9 +1,9 @@
 """Anthropic-compatible routes: POST /v1/messages (streamed or not), /v1/messages/count_tokens.
 
 Local coding agents speak this API. Requests carry `x-api-key` (accepted like a bearer key),
-a `system` prompt, `messages` of text blocks and `stop_sequences`; replies are `message`
-objects with text content blocks, `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence`)
-and `usage`; streams are Anthropic's named SSE events (`message_start`, `content_block_start`,
+a `system` prompt, `messages` of text, tool_use and tool_result blocks, `tools` /
+`tool_choice` and `stop_sequences`; replies are `message` objects with text and tool_use
+blocks, `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`) and `usage`; streams are Anthropic's named SSE events (`message_start`, `content_block_start`,
 `content_block_delta`, `content_block_stop`, `message_delta`, `message_stop`), and a job
 that fails mid-stream ends with an `error` event. Errors use Anthropic's error shape.
 """
@@ -15,9 +15,9 @@ import json
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from . import dispatch
+from . import dispatch, tools
 from .dispatch import ServerState, StateDep
-from .errors import error_body
+from .errors import APIError, error_body
 from .schema import CountTokensRequest, MessagesRequest
 from .worker import Job, JobFailed
 
@@ -25,29 +25,94 @@ router = APIRouter(prefix="/v1", tags=["anthropic"])
 
 
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(block.text for block in content)
+    if isinstance(content, str):
+        return content
+    return "".join(block.text for block in content if block.type == "text")
 
 
-async def _prompt_ids(state: ServerState, body) -> list[int]:
-    messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+def _template_messages(body) -> list[dict]:
+    """Anthropic messages → template dicts: tool_use blocks become the assistant's tool calls,
+    tool_result blocks become `tool` messages (before the user's own text)."""
+    out = []
+    for m in body.messages:
+        blocks = [] if isinstance(m.content, str) else m.content
+        for b in blocks:
+            if b.type == "tool_result":
+                result = b.content if isinstance(b.content, str) else _text(b.content)
+                out.append({"role": "tool", "tool_call_id": b.tool_use_id,
+                            "content": f"Error: {result}" if b.is_error else result})
+        msg = {"role": m.role, "content": _text(m.content)}
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in blocks if b.type == "tool_use"]
+        if calls:
+            msg["tool_calls"] = calls
+        if msg["content"] or calls or not any(b.type == "tool_result" for b in blocks):
+            out.append(msg)
+    return tools.template_messages(out)
+
+
+_CHOICES = {"auto": "auto", "none": "none", "any": "required"}
+
+
+def _tools(state: ServerState, body) -> list[dict] | None:
+    """Anthropic tools (`name`, `description`, `input_schema`) in the OpenAI form templates take."""
+    choice = body.tool_choice
+    if choice is not None:
+        kind = choice.get("type")
+        if kind == "tool":
+            choice = {"type": "function", "function": {"name": choice.get("name")}}
+        elif kind in _CHOICES:
+            choice = _CHOICES[kind]
+        else:
+            raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", "invalid_value",
+                           "tool_choice")
+    as_openai = None
+    if body.tools:
+        as_openai = []
+        for i, t in enumerate(body.tools):
+            if not isinstance(t.get("input_schema", {}), dict):
+                raise APIError(400, f"tools[{i}].input_schema must be a JSON schema object", "invalid_value",
+                               f"tools[{i}].input_schema")
+            fn = {"name": t.get("name"), "description": t.get("description", ""),
+                  "parameters": t.get("input_schema", {})}
+            as_openai.append({"type": "function", "function": fn})
+        try:
+            tools.check_tools(as_openai)
+        except APIError as e:  # name Anthropic's own field, not the OpenAI form's
+            raise APIError(400, e.message.replace(".function.name", ".name"), "invalid_value", e.param) from None
+    if tools.resolve_tool_choice(choice, as_openai) == "none" or not as_openai:
+        return None
+    tools.check_model_tools(state.session.target.tokenizer, state.model_name)
+    return as_openai
+
+
+async def _prompt_ids(state: ServerState, body, tool_list: list[dict] | None) -> list[int]:
     system = _text(body.system) if body.system is not None else None
-    return await dispatch.encode(state, messages, raw=False, system=system or None)
+    template = {"tools": tool_list} if tool_list else None
+    return await dispatch.encode(state, _template_messages(body), raw=False, system=system or None,
+                                 template=template)
 
 
-def _stop_reason(job: Job) -> str:
+def _stop_reason(job: Job, calls=None) -> str:
     s = job.stats
     if s.finish_reason == "length":
         return "max_tokens"
+    if calls is not None and calls.calls:
+        return "tool_use"
     return "stop_sequence" if s.stop_sequence is not None else "end_turn"
+
+
+def _tool_use(call) -> dict:
+    return {"type": "tool_use", "id": call.id.replace("call_", "toolu_", 1), "name": call.name, "input": call.arguments}
 
 
 def _usage(job: Job) -> dict:
     return {"input_tokens": job.stats.prompt_n, "output_tokens": job.stats.predicted_n}
 
 
-def _message(job: Job, state: ServerState, content: list, final: bool) -> dict:
+def _message(job: Job, state: ServerState, content: list, final: bool, calls=None) -> dict:
     return {"id": f"msg_{job.id}", "type": "message", "role": "assistant", "model": state.model_name,
-            "content": content, "stop_reason": _stop_reason(job) if final else None,
+            "content": content, "stop_reason": _stop_reason(job, calls) if final else None,
             "stop_sequence": job.stats.stop_sequence if final else None,
             "usage": _usage(job) if final else {"input_tokens": len(job.prompt_ids), "output_tokens": 0}}
 
@@ -56,41 +121,86 @@ def _event(name: str, data: dict) -> dict:
     return {"event": name, "data": json.dumps({"type": name, **data})}
 
 
-async def _events(state: ServerState, job: Job):
+async def _events(state: ServerState, job: Job, calls):
+    """Named SSE events; text streams into a text block, each tool call is a tool_use block
+    (its input as one input_json_delta)."""
     yield _event("message_start", {"message": _message(job, state, [], final=False)})
-    yield _event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+    blocks = _Blocks()
+    for e in blocks.text(""):
+        yield e
     try:
         async for event in job.events():
-            if event.text:
-                yield _event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": event.text}})
+            for e in blocks.feed(*calls.feed(event.text)):
+                yield e
+        for e in blocks.feed(*calls.finish()):
+            yield e
     except JobFailed as e:
         yield {"event": "error", "data": json.dumps(error_body("/v1/messages", dispatch.failure_error(e)))}
         return
-    yield _event("content_block_stop", {"index": 0})
-    yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(job), "stop_sequence": job.stats.stop_sequence},
+    for e in blocks.close():
+        yield e
+    yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(job, calls),
+                                             "stop_sequence": job.stats.stop_sequence},
                                    "usage": {"output_tokens": job.stats.predicted_n}})
     yield _event("message_stop", {})
+
+
+class _Blocks:
+    """Content-block bookkeeping of one streamed message: which block is open, its index."""
+
+    def __init__(self):
+        self.index, self.open = -1, None
+
+    def close(self):
+        if self.open is not None:
+            yield _event("content_block_stop", {"index": self.index})
+            self.open = None
+
+    def text(self, text: str):
+        if self.open != "text":
+            yield from self.close()
+            self.index, self.open = self.index + 1, "text"
+            yield _event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
+        if text:
+            yield _event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})
+
+    def feed(self, text: str, new_calls: list):
+        if text:
+            yield from self.text(text)
+        for call in new_calls:
+            yield from self.close()
+            self.index, self.open = self.index + 1, "tool_use"
+            block = _tool_use(call)
+            yield _event("content_block_start", {"index": self.index, "content_block": {**block, "input": {}}})
+            yield _event("content_block_delta", {"index": self.index, "delta": {
+                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
 
 
 @router.post("/messages", summary="Messages (Anthropic)")
 async def messages(body: MessagesRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
-    ids = await _prompt_ids(state, body)
+    tool_list = _tools(state, body)
+    ids = await _prompt_ids(state, body, tool_list)
     dispatch.check_prompt(state, ids)
     n_max = dispatch.max_tokens(state, body.max_tokens)
     n_max = dispatch.fit_context(state, len(ids), n_max, explicit=True)
     params = dispatch.sampling(state, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages")
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list)
     if body.stream:
-        return EventSourceResponse(dispatch.guarded(state, job, _events(state, job)), sep="\n",
+        return EventSourceResponse(dispatch.guarded(state, job, _events(state, job, calls)), sep="\n",
                                    shutdown_grace_period=state.config.shutdown_timeout)
     text, _ = await dispatch.collect(request, state, job)
-    return _message(job, state, [{"type": "text", "text": text}], final=True)
+    text, _ = calls.feed(text)
+    rest, _ = calls.finish()
+    text += rest
+    content = [{"type": "text", "text": text}] if text or not calls.calls else []
+    return _message(job, state, content + [_tool_use(c) for c in calls.calls], final=True, calls=calls)
 
 
 @router.post("/messages/count_tokens", summary="Count prompt tokens (Anthropic)")
 async def count_tokens(body: CountTokensRequest, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
-    return {"input_tokens": len(await _prompt_ids(state, body))}
+    return {"input_tokens": len(await _prompt_ids(state, body, _tools(state, body)))}

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .._version import __version__
-from . import dispatch
+from . import dispatch, tools
 from .dispatch import ServerState, StateDep
 from .errors import APIError
 from .schema import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
@@ -87,14 +87,24 @@ def _loaded(name: str, extra: dict) -> dict:
     return {"model": name, "created_at": _now(), **extra, "done": True, "done_reason": "load"}
 
 
-async def _ndjson(job: Job, piece, done_extra, started: float):
+async def _ndjson(job: Job, piece, done_extra, started: float, calls=None):
+    """NDJSON lines; with a tool-call collector, parsed calls come as their own line."""
     finish, tokens = None, []
+
+    def lines(text: str, new: list):
+        if text:
+            yield json.dumps({"created_at": _now(), **piece(text), "done": False}) + "\n"
+        if new:
+            yield json.dumps({"created_at": _now(), **piece("", new), "done": False}) + "\n"
+
     try:
         async for event in job.events():
             finish = event.finish_reason or finish
             tokens.extend(event.tokens)
-            if event.text:
-                yield json.dumps({"created_at": _now(), **piece(event.text), "done": False}) + "\n"
+            for line in lines(*(calls.feed(event.text) if calls else (event.text, []))):
+                yield line
+        for line in lines(*calls.finish()) if calls else ():
+            yield line
     except JobFailed as e:
         yield json.dumps({"error": e.failure.message}) + "\n"
         return
@@ -102,18 +112,24 @@ async def _ndjson(job: Job, piece, done_extra, started: float):
     yield json.dumps(last) + "\n"
 
 
-async def _respond(request: Request, state: ServerState, body, job: Job, piece, done_extra, started: float):
-    """An NDJSON stream, or (`"stream": false`) one object with the whole text."""
+async def _respond(request: Request, state: ServerState, body, job: Job, piece, done_extra, started: float,
+                   calls=None):
+    """An NDJSON stream, or (`"stream": false`) one object with the whole text (and tool calls)."""
     name = body.model or state.model_name
 
-    def named(text: str) -> dict:
-        return {"model": name, **piece(text)}
+    def named(text: str, new_calls=()) -> dict:
+        return {"model": name, **piece(text, new_calls)}
 
     if body.stream:
-        lines = _ndjson(job, named, done_extra, started)
+        lines = _ndjson(job, named, done_extra, started, calls)
         return StreamingResponse(dispatch.guarded(state, job, lines), media_type="application/x-ndjson")
     text, tokens = await dispatch.collect(request, state, job)
-    return {"created_at": _now(), **named(text), **done_extra(tokens), **_done_fields(job, started, None)}
+    found = []
+    if calls is not None:
+        text, _ = calls.feed(text)
+        rest, _ = calls.finish()
+        text, found = text + rest, calls.calls
+    return {"created_at": _now(), **named(text, found), **done_extra(tokens), **_done_fields(job, started, None)}
 
 
 @router.post("/generate", summary="Generate (Ollama)")
@@ -130,7 +146,7 @@ async def generate(body: OllamaGenerateRequest, request: Request, state: StateDe
     template = dispatch.template_kwargs(state, think=body.think)
     ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, template=template)
     job = _submit(state, body, ids, "generate")
-    return await _respond(request, state, body, job, lambda text: {"response": text},
+    return await _respond(request, state, body, job, lambda text, _=(): {"response": text},
                           lambda tokens: {"context": ids + tokens}, started)
 
 
@@ -142,12 +158,38 @@ async def chat(body: OllamaChatRequest, request: Request, state: StateDep):
     if not body.messages:
         _limits(state, body.options, 0)
         return _loaded(body.model or state.model_name, {"message": {"role": "assistant", "content": ""}})
-    messages = [{"role": m.role, "content": m.content} for m in body.messages]
-    ids = await dispatch.encode(state, messages, raw=False, template=dispatch.template_kwargs(state, think=body.think))
+    tool_list = None
+    if body.tools:
+        tools.check_model_tools(state.session.target.tokenizer, state.model_name)
+        tool_list = tools.check_tools(body.tools)
+    template = dispatch.template_kwargs(state, think=body.think)
+    if tool_list:
+        template["tools"] = tool_list
+    ids = await dispatch.encode(state, _chat_messages(body), raw=False, template=template)
     job = _submit(state, body, ids, "chat")
-    return await _respond(request, state, body, job,
-                          lambda text: {"message": {"role": "assistant", "content": text}},
-                          lambda tokens: {}, started)
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list) if tool_list else None
+
+    def piece(text: str, new_calls=()) -> dict:
+        message = {"role": "assistant", "content": text}
+        if new_calls:
+            message["tool_calls"] = [{"function": {"index": calls.calls.index(c), "name": c.name,
+                                                   "arguments": c.arguments}} for c in new_calls]
+        return {"message": message}
+
+    return await _respond(request, state, body, job, piece, lambda tokens: {}, started, calls)
+
+
+def _chat_messages(body: OllamaChatRequest) -> list[dict]:
+    """Ollama messages → template dicts; tool results keep the tool's name."""
+    out = []
+    for m in body.messages:
+        msg = {"role": m.role, "content": m.content}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool" and m.tool_name:
+            msg["name"] = m.tool_name
+        out.append(msg)
+    return tools.template_messages(out)
 
 
 def _model_details(state: ServerState) -> dict:

@@ -16,7 +16,8 @@ from sse_starlette import EventSourceResponse
 from .._version import __version__
 from . import dispatch
 from .dispatch import ServerState, StateDep
-from .errors import error_body
+from . import tools
+from .errors import APIError, error_body
 from .schema import ChatCompletionRequest, CompletionRequest
 from .worker import Job, JobFailed
 
@@ -38,14 +39,33 @@ def _head(job: Job, state: ServerState, kind: str, created: int) -> dict:
 
 
 def _messages(body: ChatCompletionRequest) -> list[dict]:
-    """OpenAI messages → the plain role/content dicts chat templates expect."""
+    """OpenAI messages → the role/content dicts chat templates expect (with tool calls and
+    tool results where given)."""
     out = []
     for m in body.messages:
         content = m.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-    return out
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": content or ""}
+        if m.tool_calls:
+            msg["tool_calls"] = m.tool_calls
+        if m.role == "tool":
+            msg["tool_call_id"] = m.tool_call_id or ""
+            if m.name:
+                msg["name"] = m.name
+        out.append(msg)
+    return tools.template_messages(out)
+
+
+def _tool_setup(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None:
+    """The tools to render and parse for this request (None: plain chat); 400s for bad ones."""
+    choice = tools.resolve_tool_choice(body.tool_choice, body.tools)
+    if body.parallel_tool_calls is not None and not body.tools:
+        raise APIError(400, "parallel_tool_calls was given without tools", "invalid_value", "parallel_tool_calls")
+    if not body.tools or choice == "none":
+        return None
+    tools.check_model_tools(state.session.target.tokenizer, state.model_name)
+    return tools.check_tools(body.tools)
 
 
 def _token_text(state: ServerState, token: int) -> str:
@@ -76,14 +96,24 @@ def _completion_logprobs(state: ServerState, lps, offset: int = 0) -> dict | Non
             "top_logprobs": [{_token_text(state, t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
 
 
-async def _sse(job: Job, chunk, final, include_usage: bool, head: dict):
-    """SSE data lines: content chunks, the finish chunk with timings, usage, [DONE]."""
+async def _sse(job: Job, chunk, final, include_usage: bool, head: dict, calls=None):
+    """SSE data lines: content chunks (tool calls as their own deltas when `calls` collects
+    them), the finish chunk with timings, usage, [DONE]."""
     finish = None
     try:
         async for event in job.events():
             finish = event.finish_reason or finish
-            if event.text or event.logprobs:
-                yield json.dumps({**head, "choices": [chunk(event.text, None, event.logprobs)]})
+            text, new = calls.feed(event.text) if calls is not None else (event.text, [])
+            if text or event.logprobs:
+                yield json.dumps({**head, "choices": [chunk(text, None, event.logprobs)]})
+            for delta in calls.deltas(new) if new else ():
+                yield json.dumps({**head, "choices": [delta]})
+        if calls is not None:
+            text, new = calls.finish()
+            if text:
+                yield json.dumps({**head, "choices": [chunk(text, None)]})
+            for delta in calls.deltas(new) if new else ():
+                yield json.dumps({**head, "choices": [delta]})
     except JobFailed as e:
         yield json.dumps(error_body("/v1", dispatch.failure_error(e)))
         yield "[DONE]"
@@ -118,12 +148,16 @@ def _prepare(state: ServerState, body, ids: list[int], endpoint: str, top_logpro
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
+    tool_list = _tool_setup(state, body)
     template = dispatch.template_kwargs(state, reasoning_effort=body.reasoning_effort,
                                         extra=body.chat_template_kwargs,
                                         think_field="chat_template_kwargs.enable_thinking")
+    if tool_list:
+        template["tools"] = tool_list
     ids = await dispatch.encode(state, _messages(body), raw=False, template=template)
     job = _prepare(state, body, ids, "chat", (body.top_logprobs or 0) if body.logprobs else None)
     created = int(time.time())
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, body.parallel_tool_calls is not False)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = _head(job, state, "chat.completion.chunk", created)
@@ -135,20 +169,28 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
                     "finish_reason": finish}
 
         def final(finish):
-            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": calls.finish_reason(finish)}
 
         async def chunks():
             yield json.dumps(first)
-            async for line in _sse(job, chunk, final, include_usage, head):
+            async for line in _sse(job, chunk, final, include_usage, head, calls):
                 yield line
 
         return _stream_response(state, job, chunks())
     text, _ = await dispatch.collect(request, state, job)
+    content, _ = calls.feed(text)
+    rest, _ = calls.finish()
+    content += rest
+    message = {"role": "assistant", "content": content if content or not calls.calls else None}
+    if calls.calls:
+        message["tool_calls"] = [c.openai(i) for i, c in enumerate(calls.calls)]
+        for c in message["tool_calls"]:
+            c.pop("index")  # the index belongs to stream deltas only
     return {
         **_head(job, state, "chat.completion", created),
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+        "choices": [{"index": 0, "message": message,
                      "logprobs": _chat_logprobs(state, job.logprobs if job.top_logprobs is not None else None),
-                     "finish_reason": job.stats.finish_reason}],
+                     "finish_reason": calls.finish_reason(job.stats.finish_reason)}],
         "usage": _usage(job),
         "timings": job.stats.timings(),
     }

@@ -89,7 +89,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | Annotated[list[TextPart | OtherPart], Field(max_length=MAX_MESSAGES)] | None = None
     name: Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=MAX_MESSAGES)]
+    tool_call_id: Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
 
 
 class StreamOptions(_Body):
@@ -125,9 +126,11 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: MaxTokens
     logprobs: bool | None = None
     top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20)]
-    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
-    tool_choice: Annotated[Any, Field(default=None, json_schema_extra=refused())]
-    parallel_tool_calls: Annotated[bool | None, Field(default=None, json_schema_extra=refused())]
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=128)]
+    tool_choice: Annotated[Literal["none", "auto", "required"] | dict[str, Any] | None,
+                           Field(default=None, description="'none', 'auto', or (refused: needs constrained "
+                                                           "decoding) 'required' / a named function.")]
+    parallel_tool_calls: bool | None = None
     functions: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
     function_call: Annotated[Any, Field(default=None, json_schema_extra=refused())]
     reasoning_effort: Annotated[str | None, Field(default=None, max_length=32)]
@@ -135,12 +138,6 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported by this server"
-        if self.tool_choice is not None:
-            return "tool_choice was given without tools"
-        if self.parallel_tool_calls is not None:
-            return "parallel_tool_calls was given without tools"
         if self.functions or self.function_call is not None:
             return "functions / function_call (legacy function calling) are not supported"
         if self.top_logprobs is not None and not self.logprobs:
@@ -212,7 +209,8 @@ class OllamaMessage(_Body):
     role: Literal["system", "user", "assistant", "tool"]
     content: Text = ""
     images: Annotated[list[str] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
-    tool_calls: list[dict[str, Any]] | None = None
+    tool_calls: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=MAX_MESSAGES)]
+    tool_name: Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
 
 
 _DURATION = re.compile(r"^(?:(\d+(?:\.\d+)?)(h|ms|m|s))+$")
@@ -286,11 +284,9 @@ class OllamaGenerateRequest(_OllamaBody):
 
 class OllamaChatRequest(_OllamaBody):
     messages: Annotated[list[OllamaMessage], Field(default_factory=list, max_length=MAX_MESSAGES)]
-    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=128)]
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported by this server"
         if any(m.images for m in self.messages):
             return "images are not supported"
         return super().unsupported()
@@ -310,31 +306,55 @@ class AnthropicText(_Body):
     text: Text
 
 
+class AnthropicToolUse(_Body):
+    type: Literal["tool_use"]
+    id: Annotated[str, Field(max_length=MAX_MODEL_CHARS)]
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    input: dict[str, Any]
+
+
+class AnthropicToolResult(_Body):
+    type: Literal["tool_result"]
+    tool_use_id: Annotated[str, Field(max_length=MAX_MODEL_CHARS)]
+    content: Text | Annotated[list[AnthropicText], Field(max_length=MAX_MESSAGES)] = ""
+    is_error: bool = False
+
+
+class AnthropicOther(OtherPart):
+    """Any other block (image, document, ...): refused by name; a malformed known block is
+    refused here."""
+
+    @field_validator("type")
+    @classmethod
+    def _not_known(cls, value: str) -> str:
+        if value in ("tool_use", "tool_result"):
+            raise ValueError(f"a {value!r} block needs its fields (tool_use: id, name, input; tool_result: "
+                             "tool_use_id, content)")
+        return value
+
+
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant"]
-    content: Text | Annotated[list[AnthropicText | OtherPart], Field(max_length=MAX_MESSAGES)]
+    content: Text | Annotated[list[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicOther],
+                              Field(max_length=MAX_MESSAGES)]
 
 
 class _AnthropicPrompt(_Body):
     model: ModelName
     messages: Annotated[list[AnthropicMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
     system: Text | Annotated[list[AnthropicText], Field(max_length=MAX_MESSAGES)] | None = None
-    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
-    tool_choice: Annotated[Any, Field(default=None, json_schema_extra=refused())]
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=128)]
+    tool_choice: dict[str, Any] | None = None
     thinking: Annotated[dict[str, Any] | None, Field(default=None, json_schema_extra=refused())]
 
     def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools are not supported by this server"
-        if self.tool_choice is not None:
-            return "tool_choice was given without tools"
         if self.thinking is not None and self.thinking.get("type") != "disabled":
             return "thinking (extended thinking) is not supported by this server"
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 for block in message.content:
-                    if block.type != "text":
-                        return f"messages[{i}] has a {block.type!r} block; only text is supported"
+                    if block.type not in ("text", "tool_use", "tool_result"):
+                        return f"messages[{i}] has a {block.type!r} block; only text and tool blocks are supported"
         return None
 
 

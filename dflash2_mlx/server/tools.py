@@ -1,0 +1,229 @@
+"""Tool calling: tools rendered by the model's chat template, calls parsed by mlx-lm's parser.
+
+The model's tokenizer (mlx-lm's `TokenizerWrapper`) knows its tool-call markers and parser
+(`has_tool_calling`, `tool_call_start` / `tool_call_end`, `tool_parser`), inferred from the chat
+template. `ToolCallStream` splits the generated text into plain content and tool calls as it
+streams: text between the markers is held back and parsed when the end marker arrives (or
+when generation stops inside a call). The API modules shape the calls into their own formats.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import APIError
+
+MAX_TOOLS = 128
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    def openai(self, index: int) -> dict:
+        return {"index": index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+def check_tools(tools: list[dict], param: str = "tools") -> list[dict]:
+    """OpenAI-style `[{"type": "function", "function": {"name", "description", "parameters"}}]`,
+    validated; 400 naming the first bad entry."""
+    if len(tools) > MAX_TOOLS:
+        raise APIError(400, f"{param} has {len(tools)} entries; at most {MAX_TOOLS}", "invalid_value", param)
+    names = set()
+    for i, tool in enumerate(tools):
+        where = f"{param}[{i}]"
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(400, f"{where} must be {{'type': 'function', 'function': {{...}}}}", "invalid_value", where)
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 64:
+            raise APIError(400, f"{where}.function.name must be a string of 1..64 characters, got {name!r}",
+                           "invalid_value", f"{where}.function.name")
+        if name in names:
+            raise APIError(400, f"{where}: tool {name!r} is defined twice", "invalid_value", where)
+        names.add(name)
+        params = fn.get("parameters", {})
+        if not isinstance(params, dict):
+            raise APIError(400, f"{where}.function.parameters must be a JSON schema object, got "
+                                f"{type(params).__name__}", "invalid_value", f"{where}.function.parameters")
+    return tools
+
+
+def tool_names(tools: list[dict]) -> list[str]:
+    return [t["function"]["name"] for t in tools]
+
+
+def resolve_tool_choice(choice: Any, tools: list[dict] | None, param: str = "tool_choice") -> str:
+    """"none", "auto", or raise: forced calls ("required", a named function) need constrained
+    decoding, which this server does not do yet; an unknown name is a 400 naming it."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if not tools:
+        raise APIError(400, f"{param} was given without tools", "invalid_value", param)
+    if choice in ("none", "auto"):
+        return choice
+    if choice == "required":
+        raise APIError(400, f"{param} 'required' forces a tool call, which needs constrained decoding; this "
+                            "server does not support it yet (use 'auto')", "unsupported_parameter", param)
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+        if not isinstance(name, str):
+            raise APIError(400, f"{param} must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
+                                "{'name': ...}}", "invalid_value", param)
+        if name not in tool_names(tools):
+            raise APIError(400, f"{param} names {name!r}, which is not among the tools ({', '.join(tool_names(tools))})",
+                           "invalid_value", param)
+        raise APIError(400, f"{param} forcing {name!r} needs constrained decoding; this server does not support "
+                            "it yet (use 'auto')", "unsupported_parameter", param)
+    raise APIError(400, f"{param} must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                   "invalid_value", param)
+
+
+def check_model_tools(tokenizer, model_name: str, param: str = "tools") -> None:
+    """400 naming the model when its chat template has no tool-call format mlx-lm can parse."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        raise APIError(400, f"{model_name!r} does not support tool calling (its chat template has no tool-call "
+                            "format this server can parse)", "unsupported_parameter", param)
+
+
+def template_messages(messages: list[dict], param: str = "messages") -> list[dict]:
+    """Assistant `tool_calls` with JSON-string arguments → dicts (what chat templates iterate)."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        calls = m.get("tool_calls")
+        if calls:
+            fixed = []
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise APIError(400, f"{param}[{i}].tool_calls[{j}] needs a function with a name", "invalid_value",
+                                   f"{param}[{i}].tool_calls[{j}]")
+                args = fn.get("arguments", {})
+                if isinstance(args, str):
+                    try:
+                        args = json.loads(args) if args.strip() else {}
+                    except json.JSONDecodeError as e:
+                        raise APIError(400, f"{param}[{i}].tool_calls[{j}].function.arguments is not valid JSON: "
+                                            f"{e.msg}", "invalid_value",
+                                       f"{param}[{i}].tool_calls[{j}].function.arguments") from None
+                fixed.append({**call, "type": "function", "function": {"name": fn["name"], "arguments": args}})
+            m["tool_calls"] = fixed
+        out.append(m)
+    return out
+
+
+class ToolCallStream:
+    """Feed generated text; get back (content to show now, finished tool calls)."""
+
+    def __init__(self, tokenizer, tools: list[dict]):
+        self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
+        self.parser, self.tools = tokenizer.tool_parser, tools
+        self.pending = ""  # text that may be the start of a marker
+        self.inside: str | None = None  # text of the call being generated
+        self.calls: list[ToolCall] = []
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self.pending += text
+        shown, done = [], []
+        while True:
+            if self.inside is None:
+                at = self.pending.find(self.start)
+                if at < 0:
+                    keep = _partial_suffix(self.pending, self.start)
+                    shown.append(self.pending[: len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep :]
+                    break
+                shown.append(self.pending[:at])
+                self.pending, self.inside = self.pending[at + len(self.start) :], ""
+            else:
+                at = self.pending.find(self.end) if self.end else -1
+                if at < 0:
+                    break
+                body = self.inside + self.pending[:at]
+                calls = self._parse(body)
+                if calls is None:  # unparseable: shown as the text it is, not dropped
+                    shown.append(self.start + body + self.end)
+                done.extend(calls or [])
+                self.pending, self.inside = self.pending[at + len(self.end) :], None
+        return "".join(shown), done
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """At the end of generation: a call without its end marker is parsed as it stands."""
+        if self.inside is not None:
+            body = self.inside + self.pending
+            calls = self._parse(body)
+            self.pending, self.inside = "", None
+            return ("", calls) if calls is not None else (self.start + body, [])
+        rest, self.pending = self.pending, ""
+        return rest, []
+
+    def _parse(self, text: str) -> list[ToolCall] | None:
+        """The calls in `text`, or None when the parser cannot read what the model wrote."""
+        try:
+            parsed = self.parser(text, self.tools)
+        except Exception:  # parsers raise anything from JSONDecodeError to IndexError
+            return None
+        if not isinstance(parsed, (dict, list)):
+            return None
+        calls = []
+        for item in parsed if isinstance(parsed, list) else [parsed]:
+            args = item.get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args)
+                except json.JSONDecodeError:
+                    args = {"_raw": args}
+            calls.append(ToolCall(str(item.get("name")), args if isinstance(args, dict) else {"value": args}))
+        self.calls.extend(calls)
+        return calls
+
+
+class CallCollector:
+    """Splits a reply into content and tool calls (a pass-through when the request has no tools);
+    with parallel_tool_calls false only the first call is kept."""
+
+    def __init__(self, tokenizer, tool_list: list[dict] | None, parallel: bool = True):
+        self.stream = ToolCallStream(tokenizer, tool_list) if tool_list else None
+        self.parallel, self.calls = parallel, []
+
+    def _keep(self, new: list) -> list:
+        if not self.parallel:
+            new = new[: max(0, 1 - len(self.calls))]
+        self.calls.extend(new)
+        return new
+
+    def feed(self, text: str) -> tuple[str, list]:
+        if self.stream is None:
+            return text, []
+        shown, new = self.stream.feed(text)
+        return shown, self._keep(new)
+
+    def finish(self) -> tuple[str, list]:
+        if self.stream is None:
+            return "", []
+        shown, new = self.stream.finish()
+        return shown, self._keep(new)
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.calls and reason == "stop" else reason
+
+    def deltas(self, new: list) -> list[dict]:
+        """OpenAI stream choices, one per new call."""
+        first = len(self.calls) - len(new)
+        return [{"index": 0, "delta": {"tool_calls": [c.openai(first + i)]}, "logprobs": None, "finish_reason": None}
+                for i, c in enumerate(new)]
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0

@@ -1,0 +1,198 @@
+"""Tool calls through a real `dflash2 serve` process, with the official SDKs: a tiny target
+that always calls `weather` (tests/tool_model.py), the tools rendered by its chat template and
+the call parsed by mlx-lm's `json_tools` parser; bad tool input is a 400 in each API's shape."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from test_server_harness import ServerProcess, request, write_pair
+from tool_model import CALL, save_tool_pair
+
+NAME = "tool-target"
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    pair = save_tool_pair(tmp_path_factory.mktemp("toolpair"))
+    log = tmp_path_factory.mktemp("logs") / "tools.log"
+    with ServerProcess(*pair, "--block-size", "4", log_path=log) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_a_tool_call_is_parsed_into_tool_calls(client):
+    reply = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=16)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == CALL["name"] and json.loads(call.function.arguments) == CALL["arguments"]
+
+
+def test_a_streamed_tool_call_arrives_as_a_tool_calls_delta(client):
+    stream = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=16, stream=True)
+    content, calls, finish = "", [], None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        calls.extend(delta.tool_calls or [])
+        finish = chunk.choices[0].finish_reason or finish
+    assert content == "" and finish == "tool_calls"
+    [call] = calls
+    assert call.index == 0 and call.function.name == CALL["name"]
+    assert json.loads(call.function.arguments) == CALL["arguments"]
+
+
+def test_without_tools_the_markup_is_plain_content(client):
+    reply = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=16)
+    assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].message.content == f"<tool_call>{json.dumps(CALL)}</tool_call>"
+    none = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=16)
+    assert none.choices[0].message.content == reply.choices[0].message.content
+
+
+def test_tools_are_rendered_and_tool_results_accepted(client):
+    plain = client.chat.completions.create(model=NAME, messages=ASK, max_tokens=1)
+    with_tools = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=1)
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens  # "Tools: weather\n" was rendered
+    first = client.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=16)
+    call = first.choices[0].message.tool_calls[0]
+    history = [*ASK, {"role": "assistant", "content": None,
+                      "tool_calls": [{"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    second = client.chat.completions.create(model=NAME, messages=history, tools=TOOLS, max_tokens=16)
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + len("sunny, 21 C")
+    assert second.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("body, status, words", [
+    ({"tools": TOOLS, "tool_choice": "required"}, 400, "constrained decoding"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, 400, "'nope'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "weather"}}}, 400, "constrained"),
+    ({"tool_choice": "auto"}, 400, "without tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, 400, "tools[0].function.name"),
+    ({"tools": [{"type": "retrieval"}]}, 400, "tools[0]"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, 400, "defined twice"),
+    ({"tools": TOOLS, "messages": [*ASK, {"role": "assistant", "tool_calls": [{"function": {"name": "weather",
+                                                                                           "arguments": "{bad"}}]}]},
+     400, "not valid JSON"),
+])
+def test_bad_tool_input_is_a_400_naming_it(server, body, status, words):
+    reply = request(server.url, "POST", "/v1/chat/completions",
+                    {"model": NAME, "messages": ASK, "max_tokens": 4, **body})
+    assert reply.status == status, reply.text
+    assert words in reply.json()["error"]["message"]
+    assert request(server.url, "GET", "/health").status == 200
+
+
+def test_a_model_without_tool_support_refuses_tools_naming_it(tmp_path):
+    pair = write_pair(tmp_path / "plain")
+    with ServerProcess(*pair, log_path=tmp_path / "plain.log") as proc:
+        reply = request(proc.url, "POST", "/v1/chat/completions",
+                        {"model": "tiny-llama", "messages": ASK, "tools": TOOLS, "max_tokens": 4})
+        assert reply.status == 400
+        assert "'tiny-llama' does not support tool calling" in reply.json()["error"]["message"]
+
+
+# -- Ollama -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ollama_client(server):
+    ollama = pytest.importorskip("ollama")
+    return ollama.Client(host=server.url, timeout=60)
+
+
+def test_ollama_chat_returns_tool_calls(ollama_client):
+    reply = ollama_client.chat(model=NAME, messages=ASK, tools=TOOLS, options={"num_predict": 16})
+    assert reply.message.content == ""
+    [call] = reply.message.tool_calls
+    assert call.function.name == CALL["name"] and dict(call.function.arguments) == CALL["arguments"]
+    streamed = [c for part in ollama_client.chat(model=NAME, messages=ASK, tools=TOOLS, stream=True,
+                                                  options={"num_predict": 16})
+                for c in (part.message.tool_calls or [])]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [(CALL["name"], CALL["arguments"])]
+
+
+def test_ollama_tool_results_are_accepted(ollama_client):
+    history = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]},
+               {"role": "tool", "content": "sunny", "tool_name": "weather"}]
+    first = ollama_client.chat(model=NAME, messages=ASK, tools=TOOLS, options={"num_predict": 16})
+    second = ollama_client.chat(model=NAME, messages=history, tools=TOOLS, options={"num_predict": 16})
+    assert second.prompt_eval_count > first.prompt_eval_count
+    assert second.message.tool_calls
+
+
+def test_ollama_bad_tools_are_a_400(server):
+    reply = request(server.url, "POST", "/api/chat", {"model": NAME, "messages": ASK,
+                                                       "tools": [{"type": "function", "function": {}}]})
+    assert reply.status == 400 and "tools[0].function.name" in reply.json()["error"]
+
+
+# -- Anthropic --------------------------------------------------------------------------------
+
+A_TOOLS = [{"name": "weather", "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+
+
+@pytest.fixture(scope="module")
+def claude(server):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0, timeout=60)
+
+
+def test_anthropic_tool_use_block(claude):
+    msg = claude.messages.create(model=NAME, max_tokens=16, messages=ASK, tools=A_TOOLS)
+    assert msg.stop_reason == "tool_use"
+    [block] = msg.content
+    assert block.type == "tool_use" and block.id.startswith("toolu_")
+    assert block.name == CALL["name"] and block.input == CALL["arguments"]
+    with claude.messages.stream(model=NAME, max_tokens=16, messages=ASK, tools=A_TOOLS) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason == "tool_use"
+    assert [(b.type, getattr(b, "name", None), getattr(b, "input", None)) for b in final.content if b.type != "text"] \
+        == [("tool_use", CALL["name"], CALL["arguments"])]
+    assert all(b.text == "" for b in final.content if b.type == "text")
+
+
+def test_anthropic_tool_result_round_trip(claude):
+    first = claude.messages.create(model=NAME, max_tokens=16, messages=ASK, tools=A_TOOLS)
+    use = first.content[0]
+    history = [*ASK, {"role": "assistant", "content": [{"type": "tool_use", "id": use.id, "name": use.name,
+                                                        "input": use.input}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+    n_first = claude.messages.count_tokens(model=NAME, messages=ASK, tools=A_TOOLS).input_tokens
+    n_second = claude.messages.count_tokens(model=NAME, messages=history, tools=A_TOOLS).input_tokens
+    assert n_first == first.usage.input_tokens and n_second > n_first + len("sunny")
+    second = claude.messages.create(model=NAME, max_tokens=16, messages=history, tools=A_TOOLS)
+    assert second.usage.input_tokens == n_second and second.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"tools": A_TOOLS, "tool_choice": {"type": "any"}}, "constrained decoding"),
+    ({"tools": A_TOOLS, "tool_choice": {"type": "tool", "name": "nope"}}, "'nope'"),
+    ({"tools": A_TOOLS, "tool_choice": {"type": "maybe"}}, "tool_choice.type"),
+    ({"tools": [{"description": "no name"}]}, "tools[0].name"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]}, "messages.0.content"),
+])
+def test_anthropic_bad_tool_input_is_a_400(server, body, words):
+    reply = request(server.url, "POST", "/v1/messages", {"model": NAME, "max_tokens": 4, "messages": ASK, **body})
+    assert reply.status == 400, reply.text
+    err = reply.json()
+    assert err["type"] == "error" and words in err["error"]["message"]
