@@ -43,6 +43,7 @@ class CycleStats:
     n_emitted: int
     draft_s: float
     verify_s: float
+    grammar_s: float = 0.0  # computing grammar masks along the draft path (constrained decoding)
 
 
 @dataclass
@@ -129,6 +130,7 @@ class _Run:
     overlap: bool = True  # build the verify graph while the drafts compute
     queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
     decided: int | None = None  # the next cycle's width, picked while that token was queued
+    constraint: object | None = None  # a GrammarConstraint masking the target's rows, or None
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -222,6 +224,8 @@ def _choose(run: _Run, logits: mx.array, block: list[int], key: mx.array) -> tup
     """The target's own pick for each row of logits [R, V] (greedy or sampled), and the rows
     after penalties (what log-probabilities are reported from)."""
     logits = process_rows(logits, run.history, block, run.processors, run.params.penalty_context)
+    if run.constraint is not None:
+        logits = run.constraint.apply(logits, [])
     if run.params.greedy:
         return mx.argmax(logits, axis=-1), logits
     return mx.random.categorical(mx.log(target_probs(logits, run.params)), key=key), logits
@@ -295,7 +299,7 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     proposal = run.drafter.propose(mx.array([anchor]), _take_context(run), run.drafter_cache, width,
                                    run.params.temperature, run.next_key())
     drafts = proposal.tokens[0]
-    if run.processors or not run.overlap:  # penalties need the drafted tokens on the host
+    if run.processors or run.constraint is not None or not run.overlap:  # penalties, grammar: drafts on the host
         mx.eval(drafts)
     else:
         mx.async_eval(drafts)
@@ -304,6 +308,11 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
     rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors,
                         run.params.penalty_context)
+    grammar_s = 0.0
+    if run.constraint is not None:  # each row masked by the grammar state along the draft path
+        g0 = time.perf_counter()
+        rows = run.constraint.apply(rows, drafts.tolist())
+        grammar_s = time.perf_counter() - g0
     if run.params.greedy:
         outputs = (mx.argmax(rows, axis=-1),)
     else:
@@ -326,7 +335,7 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     run.pending_ctx.append(hidden[:, : n_acc + 1])
     emitted = draft_list[:n_acc] + [nxt]
     t2 = time.perf_counter()
-    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0, t2 - t1), \
+    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
         _logprob_list(info, emitted)
 
 
@@ -401,7 +410,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
                     sampling: SamplingParams | None = None, block_size: int | None = None,
                     stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
                     block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True,
-                    top_logprobs: int | None = None, overlap: bool | None = None):
+                    top_logprobs: int | None = None, overlap: bool | None = None, constraint=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -426,6 +435,9 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         top_logprobs: when set, each event carries `logprobs`: every token's log-probability
             under the target (from the verify rows, so equal to plain decoding's) and this
             many most likely alternatives (0 for none).
+        constraint: a `GrammarConstraint` (fresh, at the grammar's start): every target row is
+            masked by the grammar state along the draft path, so the output equals constrained
+            plain decoding; generation ends when the grammar is complete.
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
@@ -438,7 +450,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         drafter_cache=drafter.make_cache() if drafter is not None else None,
         taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
         history=list(ids), processors=make_processors(params), top_logprobs=top_logprobs,
-        overlap=overlap if overlap is not None else mx.default_device() == mx.gpu,
+        overlap=overlap if overlap is not None else mx.default_device() == mx.gpu, constraint=constraint,
     )
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
@@ -465,8 +477,10 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
 
         kept, finish = stopper.feed([first])
         run.history.append(first)
+        finish = _commit(run, [first], finish)
         yield event(kept, None, finish, first_lp)
-        pipeline = pipelined and not run.processors  # penalties need each token on the host first
+        # penalties and grammars need each token on the host before the next step
+        pipeline = pipelined and not run.processors and constraint is None
         n_cycles = 0
         while finish is None:
             with mx.stream(generation_stream()):
@@ -474,10 +488,19 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
                                                        pipeline)
             kept, finish = stopper.feed(emitted)
             run.history.extend(emitted)
+            finish = _commit(run, emitted, finish)
             n_cycles += 1
             if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
                 mx.clear_cache()
             yield event(kept, cycle, finish, logprobs)
+
+
+def _commit(run: _Run, emitted: list[int], finish: str | None) -> str | None:
+    """Advance the grammar by the emitted tokens; a completed grammar ends generation."""
+    if run.constraint is None:
+        return finish
+    run.constraint.commit(emitted)
+    return finish or ("stop" if run.constraint.done else None)
 
 
 def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:

@@ -43,23 +43,35 @@ FAMILIES = {
 
 
 class TinyTokenizer:
-    """Character-level tokenizer with mlx-lm's wrapper (for detokenizing and EOS)."""
+    """Character-level tokenizer with mlx-lm's wrapper (for detokenizing and EOS).
+
+    `byte_level=True` spells space and newline the GPT-2 byte-level way (Ġ, Ċ) with a
+    ByteLevel decoder, as grammar libraries (llguidance) expect of a tokenizer.
+    """
 
     @staticmethod
-    def make():
+    def make(byte_level: bool = False):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
 
         chars = list(string.ascii_letters + string.digits + " .,!?;:'\"()-+=*/\n")
         vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+        spell = {" ": "\u0120", "\n": "\u010a"} if byte_level else {}
         for ch in chars:
-            vocab.setdefault(ch, len(vocab))
+            vocab.setdefault(spell.get(ch, ch), len(vocab))
+        extra = "{}[]_" if byte_level else ""  # JSON needs braces; they take placeholder ids
         for i in range(len(vocab), VOCAB):
-            vocab[f"<x{i}>"] = i
+            vocab[extra[i - len(chars) - 3] if i - len(chars) - 3 < len(extra) else f"<x{i}>"] = i
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
-        tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-        tok.decoder = decoders.Fuse()
+        if byte_level:
+            tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                                  use_regex=False),
+                                                         pre_tokenizers.Split("", "isolated")])
+            tok.decoder = decoders.ByteLevel()
+        else:
+            tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+            tok.decoder = decoders.Fuse()
         hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
         return TokenizerWrapper(hf)
 
@@ -90,9 +102,10 @@ def tiny_model(family: str, seed: int = 0, **overrides) -> nn.Module:
 
 
 def tiny_target(family: str = "llama", seed: int = 0, fast_recurrent_replay: bool = True,
-                eos: tuple[int, ...] = (), stacked_replay: bool = True, **overrides) -> Target:
+                eos: tuple[int, ...] = (), stacked_replay: bool = True, byte_level: bool = False,
+                **overrides) -> Target:
     """A tiny target; no EOS by default so generations run to max_tokens."""
-    tokenizer = TinyTokenizer.make()
+    tokenizer = TinyTokenizer.make(byte_level)
     tokenizer._eos_token_ids = set(eos)
     return Target(tiny_model(family, seed, **overrides), tokenizer, path=f"tiny-{family}",
                   fast_recurrent_replay=fast_recurrent_replay, stacked_replay=stacked_replay)

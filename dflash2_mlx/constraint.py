@@ -1,0 +1,125 @@
+"""Grammar-constrained decoding that stays exact under speculation (llguidance).
+
+A `GrammarConstraint` owns an llguidance matcher over the target's vocabulary. The engine asks
+it for one mask per verify row: row 0 in the current grammar state, row i+1 in the state
+reached by consuming drafts[0..i]; the walk stops at the first draft the grammar forbids
+(that draft is rejected like any other mismatch, so the rows after it are never used). The
+matcher is rolled back after the walk and only the tokens the cycle emits are committed.
+
+Masking the target's rows this way makes speculative output equal constrained plain decoding:
+greedy picks the argmax over allowed tokens, and rejection sampling runs against the masked
+target distribution, in which a forbidden draft has probability 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from .errors import ConfigError
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.numpy
+    except ImportError as e:  # a declared dependency; say how to get it back
+        raise ConfigError(f"grammar constraints need llguidance (pip install llguidance): {e}") from None
+    return llguidance
+
+
+_TOKENIZERS: dict = {}
+
+
+def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
+    """The llguidance view of an mlx-lm tokenizer (built once per tokenizer: it scans the vocab)."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _TOKENIZERS:
+        ll = _llguidance()
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        _TOKENIZERS[key] = (tokenizer, ll.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_ids) or None))
+    return _TOKENIZERS[key][1]
+
+
+def json_schema_grammar(schema: dict | None, compact: bool = False) -> str:
+    """An llguidance grammar for JSON matching `schema` (None: any JSON object); `compact`
+    allows no whitespace between tokens. ConfigError naming the problem when the schema
+    cannot be compiled."""
+    ll = _llguidance()
+    schema = {"type": "object"} if schema is None else schema
+    try:
+        grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema),
+                                                        defaults={"whitespace_flexible": not compact})
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid JSON schema: {e}") from None
+    return _validated(grammar, "JSON schema")
+
+
+def regex_grammar(pattern: str) -> str:
+    """An llguidance grammar for text matching the regular expression `pattern`."""
+    return _validated(_llguidance().LLMatcher.grammar_from_regex(pattern), "regex")
+
+
+def _validated(grammar: str, what: str) -> str:
+    error = _llguidance().LLMatcher.validate_grammar(grammar)  # "" when valid
+    if error:
+        raise ConfigError(f"invalid {what}: {error}")
+    return grammar
+
+
+class GrammarConstraint:
+    """Masks for the target's rows along a draft path; `commit` the tokens a step emits."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, grammar: str):
+        ll = _llguidance()
+        self.vocab_size = vocab_size
+        self.matcher = ll.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
+        if self.matcher.is_error():
+            raise ConfigError(f"cannot start the grammar: {self.matcher.get_error()}")
+        self._bits = ll.numpy.allocate_token_bitmask(1, vocab_size)
+        self._fill = ll.numpy.fill_next_token_bitmask
+        self.seconds = 0.0  # time spent computing masks and consuming tokens
+
+    def _mask(self) -> np.ndarray:
+        self._fill(self.matcher, self._bits)
+        bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
+    def masks(self, drafts: list[int]) -> np.ndarray:
+        """Allowed tokens [len(drafts) + 1, V] per verify row (all True past a forbidden draft)."""
+        t0 = time.perf_counter()
+        rows = np.ones((len(drafts) + 1, self.vocab_size), dtype=bool)
+        walked = 0
+        for i in range(len(drafts) + 1):
+            rows[i] = self._mask()
+            if i == len(drafts) or not rows[i][drafts[i]] or not self.matcher.consume_token(drafts[i]):
+                break
+            walked += 1
+        if walked:
+            self.matcher.rollback(walked)
+        self.seconds += time.perf_counter() - t0
+        return rows
+
+    def apply(self, rows: mx.array, drafts: list[int]) -> mx.array:
+        """`rows [R, V]` with the tokens the grammar forbids at each row set to -inf."""
+        allowed = mx.array(self.masks(drafts)[: rows.shape[0]])
+        if rows.shape[-1] > allowed.shape[-1]:  # a head padded past the tokenizer's vocab
+            allowed = mx.pad(allowed, [(0, 0), (0, rows.shape[-1] - allowed.shape[-1])])
+        return mx.where(allowed, rows, mx.array(-mx.inf, dtype=rows.dtype))
+
+    def commit(self, tokens: list[int]) -> None:
+        t0 = time.perf_counter()
+        for t in tokens:
+            if self.matcher.is_stopped():
+                break
+            if not self.matcher.consume_token(t):
+                raise RuntimeError(f"the grammar rejected emitted token {t}: {self.matcher.get_error()}")
+        self.seconds += time.perf_counter() - t0
+
+    @property
+    def done(self) -> bool:
+        return self.matcher.is_stopped()

@@ -1,0 +1,150 @@
+"""Grammar constraints inside speculation: greedy output equals constrained plain decoding,
+sampled output follows the masked target distribution, and the matcher rolls back with the
+caches (llguidance)."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy import stats
+
+from dflash2_mlx import SamplingParams, generate
+from dflash2_mlx.constraint import GrammarConstraint, json_schema_grammar, regex_grammar
+from dflash2_mlx.errors import ConfigError
+from dflash2_mlx.sampling import target_probs
+from tiny import tiny_drafter, tiny_target
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+          "required": ["a", "b"]}
+PROMPT = [1, 5, 6, 7]
+
+
+def _constraint(target, grammar):
+    return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, grammar)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3_text"])
+@pytest.mark.parametrize("block", [2, 4])
+def test_greedy_constrained_speculation_equals_constrained_plain_decoding(family, block):
+    target = tiny_target(family, byte_level=True)
+    grammar = json_schema_grammar(SCHEMA)
+    plain = generate(target, None, PROMPT, max_tokens=40, constraint=_constraint(target, grammar))
+    drafter = tiny_drafter(target, "dflash2", block_size=block)
+    spec = generate(target, drafter, PROMPT, max_tokens=40, block_size=block, constraint=_constraint(target, grammar))
+    assert spec.tokens == plain.tokens
+    unconstrained = generate(target, None, PROMPT, max_tokens=40).tokens
+    assert unconstrained != plain.tokens  # the grammar did change the output
+    check = _constraint(target, grammar)
+    check.commit(plain.tokens)  # raises if any emitted token broke the grammar
+    assert any(c.n_drafted for c in spec.cycles) and any(c.grammar_s > 0 for c in spec.cycles)
+
+
+def test_a_completed_grammar_ends_generation_with_valid_json():
+    target = tiny_target("llama", byte_level=True, eos=(2,))
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False}
+    grammar = json_schema_grammar(schema, compact=True)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    out = generate(target, drafter, PROMPT, max_tokens=30, block_size=4, constraint=_constraint(target, grammar))
+    text = target.tokenizer.decode([t for t in out.tokens if t != 2])
+    assert json.loads(text) in ({"a": True}, {"a": False})
+    assert out.finish_reason == "stop" and len(out.tokens) < 30
+
+
+def test_masks_walk_the_draft_path_and_roll_back():
+    target = tiny_target("llama", byte_level=True)
+    tok = target.tokenizer
+    c = _constraint(target, regex_grammar("ab+c"))
+    a, b, c_id, x = (tok.encode(ch, add_special_tokens=False)[0] for ch in "abcx")
+    rows = c.masks([a, b, x, b])
+    assert rows.shape == (5, target.info.vocab_size)
+    assert np.nonzero(rows[0])[0].tolist() == [a]
+    assert sorted(np.nonzero(rows[1])[0].tolist()) == [b]
+    assert sorted(np.nonzero(rows[2])[0].tolist()) == sorted([b, c_id])
+    assert rows[3].all() and rows[4].all()  # past the forbidden draft x: never used
+    assert np.nonzero(c.masks([])[0])[0].tolist() == [a]  # rolled back to the start
+    c.commit([a, b])
+    assert sorted(np.nonzero(c.masks([])[0])[0].tolist()) == sorted([b, c_id])
+
+
+def test_invalid_schemas_are_config_errors():
+    with pytest.raises(ConfigError, match="invalid JSON schema"):
+        json_schema_grammar({"type": "object", "properties": {"a": {"type": "nonsense"}}})
+    with pytest.raises(ConfigError, match="invalid regex"):
+        regex_grammar("a(b")
+
+
+# -- T > 0: the first three tokens follow the grammar-masked target ----------------------------
+
+PATTERN = "[a-h]{3}[a-z]*"
+PARAMS = dict(temperature=1.0, top_k=4)
+
+
+def _masked_joint(target, n=3):
+    joint = {(): 1.0}
+    c = _constraint(target, regex_grammar(PATTERN))
+    for _ in range(n):
+        nxt = {}
+        for prefix, prob in joint.items():
+            logits, _ = target.forward(mx.array([PROMPT + list(prefix)]), target.make_cache(), logits="last")
+            c.commit(list(prefix))
+            rows = c.apply(logits[0], [])
+            c.matcher.rollback(len(prefix))
+            p = np.array(target_probs(rows, SamplingParams(**PARAMS))[0], dtype=np.float64)
+            for x in np.nonzero(p)[0]:
+                nxt[prefix + (int(x),)] = prob * p[x]
+        joint = nxt
+    return joint
+
+
+def _pvalue(counts, joint):
+    assert set(counts) <= set(joint), f"tokens outside the masked support: {set(counts) - set(joint)}"
+    keys = sorted(joint)
+    observed = np.array([counts.get(k, 0) for k in keys], dtype=np.float64)
+    expected = np.array([joint[k] for k in keys])
+    return stats.chisquare(observed, expected / expected.sum() * observed.sum()).pvalue
+
+
+@pytest.mark.slow
+def test_sampled_constrained_speculation_follows_the_masked_target():
+    target = tiny_target("qwen3", byte_level=True)
+    drafter = tiny_drafter(target, "dflash2", block_size=3, top_k=8)
+    grammar = regex_grammar(PATTERN)
+    counts = {}
+    for i in range(1500):
+        out = generate(target, drafter, PROMPT, max_tokens=3, block_size=3,
+                       sampling=SamplingParams(seed=i, **PARAMS), constraint=_constraint(target, grammar))
+        assert out.cycles[0].n_drafted == 1
+        counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
+    assert _pvalue(counts, _masked_joint(target)) > 1e-4
+
+
+@pytest.mark.slow
+def test_power_check_unmasked_verify_rows_are_caught(monkeypatch):
+    """Masking only the first verify row (the classic bug: the grammar state is not walked
+    along the drafts) lets forbidden drafts through; the support check must see them."""
+    real = GrammarConstraint.masks
+
+    def first_row_only(self, drafts):
+        rows = real(self, drafts)
+        rows[1:] = True
+        return rows
+
+    monkeypatch.setattr(GrammarConstraint, "masks", first_row_only)
+    target = tiny_target("qwen3", byte_level=True)
+    drafter = tiny_drafter(target, "dflash2", block_size=3, top_k=8)
+    grammar = regex_grammar(PATTERN)
+    joint = _masked_joint(target)
+    outside = 0
+    for i in range(300):
+        try:
+            out = generate(target, drafter, PROMPT, max_tokens=3, block_size=3,
+                           sampling=SamplingParams(seed=i, **PARAMS), constraint=_constraint(target, grammar))
+        except RuntimeError:  # the commit noticed the broken grammar state
+            outside += 1
+            continue
+        outside += tuple(out.tokens) not in joint
+    assert outside > 0
