@@ -45,16 +45,21 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     return _TOKENIZERS[key][1]
 
 
+# Between JSON tokens: one space, or a newline and an indent. Bounded, so a weak model cannot
+# spend its whole budget on whitespace, and still what models write when pretty-printing.
+BOUNDED_WHITESPACE = "[ \n]?[ ]{0,15}"
+
+
 def json_schema_grammar(schema: dict | None, compact: bool = False) -> str:
-    """An llguidance grammar for JSON matching `schema` (None: any JSON object); `compact`
-    allows no whitespace between tokens. ConfigError naming the problem when the schema
-    cannot be compiled."""
+    """An llguidance grammar for JSON matching `schema` (None: any JSON object); between
+    tokens `BOUNDED_WHITESPACE`, or none when `compact`. ConfigError naming the problem when
+    the schema cannot be compiled."""
     ll = _llguidance()
     schema = {"type": "object"} if schema is None else schema
+    options = {"whitespace_flexible": False} if compact else {"whitespace_pattern": BOUNDED_WHITESPACE}
     try:
-        grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema),
-                                                        defaults={"whitespace_flexible": not compact})
-    except (ValueError, TypeError) as e:
+        grammar = ll.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+    except Exception as e:  # llguidance reports schema errors as ValueError, RuntimeError, ...
         raise ConfigError(f"invalid JSON schema: {e}") from None
     return _validated(grammar, "JSON schema")
 

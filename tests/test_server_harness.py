@@ -27,9 +27,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-def write_pair(root: Path) -> tuple[Path, Path]:
-    """The tiny llama target + DFlash 2 drafter, with a chat template added to the tokenizer."""
-    target_dir, drafter_dir = save_tiny_pair(root)
+def write_pair(root: Path, byte_level: bool = False) -> tuple[Path, Path]:
+    """The tiny llama target + DFlash 2 drafter, with a chat template added to the tokenizer
+    (`byte_level`: the tokenizer grammar libraries can read)."""
+    target_dir, drafter_dir = save_tiny_pair(root, byte_level=byte_level)
     config_path = target_dir / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE

@@ -152,7 +152,8 @@ def tiny_drafter(target: Target | None, arch: str = "dflash2", seed: int = 1, id
     return drafter
 
 
-def save_tiny_pair(root, family: str = "llama", arch: str = "dflash2", seed: int = 0, **drafter_kwargs):
+def save_tiny_pair(root, family: str = "llama", arch: str = "dflash2", seed: int = 0, byte_level: bool = False,
+                   **drafter_kwargs):
     """Write a tiny target (mlx-lm layout) and a tiny drafter (published layout) under `root`.
 
     Returns (target_dir, drafter_dir); both load with `load_target` / `load_drafter` and the CLI.
@@ -170,6 +171,6 @@ def save_tiny_pair(root, family: str = "llama", arch: str = "dflash2", seed: int
     target_dir.mkdir(parents=True, exist_ok=True)
     save_model(target_dir, model)
     (target_dir / "config.json").write_text(json.dumps(FAMILIES[family]))
-    TinyTokenizer.make()._tokenizer.save_pretrained(str(target_dir))
+    TinyTokenizer.make(byte_level)._tokenizer.save_pretrained(str(target_dir))
     save_drafter(tiny_drafter(None, arch, **drafter_kwargs), drafter_dir)
     return target_dir, drafter_dir

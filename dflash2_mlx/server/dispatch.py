@@ -10,6 +10,7 @@ cancels its job.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from dataclasses import dataclass, field
@@ -256,6 +257,45 @@ async def encode(state: ServerState, prompt, raw: bool, system: str | None = Non
     return [int(t) for t in ids]
 
 
+MAX_SCHEMA_CHARS = 64 * 1024
+MAX_SCHEMA_DEPTH = 24
+
+
+def _depth(value, level: int = 0) -> int:
+    if isinstance(value, dict):
+        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
+    if isinstance(value, list):
+        return max((_depth(v, level + 1) for v in value), default=level + 1)
+    return level
+
+
+async def json_constraint(state: ServerState, schema: dict | None, param: str):
+    """A GrammarConstraint for JSON matching `schema` (None: any object); a bad, too large or too
+    deep schema → 400 naming `param`. Built off the event loop (the first one scans the vocab)."""
+    from ..constraint import GrammarConstraint, json_schema_grammar
+
+    if schema is not None:
+        if not isinstance(schema, dict):
+            raise APIError(400, f"{param} must be a JSON schema object, got {type(schema).__name__}", "invalid_value",
+                           param)
+        size = len(json.dumps(schema))
+        if size > MAX_SCHEMA_CHARS:
+            raise APIError(400, f"{param} is {size} characters; at most {MAX_SCHEMA_CHARS}", "invalid_value", param)
+        if _depth(schema) > MAX_SCHEMA_DEPTH:
+            raise APIError(400, f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", "invalid_value", param)
+    target = state.session.target
+
+    def work():
+        with state.encode_lock:
+            grammar = json_schema_grammar(schema)
+            return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, grammar)
+
+    try:
+        return await anyio.to_thread.run_sync(work)
+    except ConfigError as e:
+        raise APIError(400, f"{param}: {e}", "invalid_value", param) from None
+
+
 def check_prompt(state: ServerState, ids: list[int]) -> None:
     if not ids:
         raise APIError(400, "the prompt is empty", "invalid_prompt", "prompt")
@@ -274,9 +314,9 @@ def check_prompt(state: ServerState, ids: list[int]) -> None:
 
 
 def submit(state: ServerState, ids: list[int], params: SamplingParams, n_max: int, stop: list[str],
-           endpoint: str, top_logprobs: int | None = None) -> Job:
+           endpoint: str, top_logprobs: int | None = None, constraint=None) -> Job:
     """Queue a job; a full queue → 429 with Retry-After, shutdown → 503."""
-    job = Job(ids, params, n_max, stop, asyncio.get_running_loop(), endpoint, top_logprobs)
+    job = Job(ids, params, n_max, stop, asyncio.get_running_loop(), endpoint, top_logprobs, constraint)
     try:
         state.worker.submit(job)
     except QueueFull as e:

@@ -76,10 +76,17 @@ def _limits(state: ServerState, options: OllamaOptions | None, n_prompt: int):
     return n_max, params, dispatch.stop_list(o.stop)
 
 
-def _submit(state: ServerState, body, ids: list[int], endpoint: str) -> Job:
+async def _format(state: ServerState, body):
+    """Ollama's `format`: "json" (any object) or a JSON schema → a grammar constraint."""
+    if body.format in (None, ""):
+        return None
+    return await dispatch.json_constraint(state, None if body.format == "json" else body.format, "format")
+
+
+def _submit(state: ServerState, body, ids: list[int], endpoint: str, constraint=None) -> Job:
     dispatch.check_prompt(state, ids)
     n_max, params, stop = _limits(state, body.options, len(ids))
-    return dispatch.submit(state, ids, params, n_max, stop, endpoint)
+    return dispatch.submit(state, ids, params, n_max, stop, endpoint, constraint=constraint)
 
 
 def _loaded(name: str, extra: dict) -> dict:
@@ -145,7 +152,7 @@ async def generate(body: OllamaGenerateRequest, request: Request, state: StateDe
                        "think")
     template = dispatch.template_kwargs(state, think=body.think)
     ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, template=template)
-    job = _submit(state, body, ids, "generate")
+    job = _submit(state, body, ids, "generate", await _format(state, body))
     return await _respond(request, state, body, job, lambda text, _=(): {"response": text},
                           lambda tokens: {"context": ids + tokens}, started)
 
@@ -166,7 +173,11 @@ async def chat(body: OllamaChatRequest, request: Request, state: StateDep):
     if tool_list:
         template["tools"] = tool_list
     ids = await dispatch.encode(state, _chat_messages(body), raw=False, template=template)
-    job = _submit(state, body, ids, "chat")
+    constraint = await _format(state, body)
+    if constraint is not None and tool_list:
+        raise APIError(400, "format with tools is not supported (the call format has its own grammar)",
+                       "unsupported_parameter", "format")
+    job = _submit(state, body, ids, "chat", constraint)
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list) if tool_list else None
 
     def piece(text: str, new_calls=()) -> dict:

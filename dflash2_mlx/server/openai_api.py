@@ -129,7 +129,26 @@ def _stream_response(state: ServerState, job: Job, chunks) -> EventSourceRespons
     return EventSourceResponse(dispatch.guarded(state, job, chunks), sep="\n", shutdown_grace_period=grace)
 
 
-def _prepare(state: ServerState, body, ids: list[int], endpoint: str, top_logprobs: int | None = None) -> Job:
+async def _response_format(state: ServerState, body: ChatCompletionRequest):
+    """The grammar constraint `response_format` asks for, or None for plain text."""
+    fmt = body.response_format
+    kind = (fmt or {}).get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return await dispatch.json_constraint(state, None, "response_format")
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "response_format.json_schema must be {'name': ..., 'schema': {...}}", "invalid_value",
+                           "response_format.json_schema")
+        return await dispatch.json_constraint(state, spec.get("schema", {}), "response_format.json_schema.schema")
+    raise APIError(400, f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                   "invalid_value", "response_format.type")
+
+
+def _prepare(state: ServerState, body, ids: list[int], endpoint: str, top_logprobs: int | None = None,
+             constraint=None) -> Job:
     dispatch.check_prompt(state, ids)
     requested = getattr(body, "max_completion_tokens", None)
     name = "max_completion_tokens" if requested is not None else "max_tokens"
@@ -141,7 +160,8 @@ def _prepare(state: ServerState, body, ids: list[int], endpoint: str, top_logpro
     params = dispatch.sampling(state, temperature=body.temperature, seed=body.seed, top_p=body.top_p,
                                top_k=body.top_k, min_p=body.min_p, repetition_penalty=body.repetition_penalty,
                                presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty)
-    return dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop), endpoint, top_logprobs)
+    return dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop), endpoint, top_logprobs,
+                           constraint)
 
 
 @router.post("/chat/completions", summary="Chat completion (OpenAI)")
@@ -155,7 +175,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if tool_list:
         template["tools"] = tool_list
     ids = await dispatch.encode(state, _messages(body), raw=False, template=template)
-    job = _prepare(state, body, ids, "chat", (body.top_logprobs or 0) if body.logprobs else None)
+    constraint = await _response_format(state, body)
+    if constraint is not None and tool_list:
+        raise APIError(400, "response_format json with tools is not supported (the call format has its own "
+                            "grammar)", "unsupported_parameter", "response_format")
+    job = _prepare(state, body, ids, "chat", (body.top_logprobs or 0) if body.logprobs else None, constraint)
     created = int(time.time())
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list, body.parallel_tool_calls is not False)
     if body.stream:

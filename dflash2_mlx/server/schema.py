@@ -42,7 +42,6 @@ Seed = Annotated[int | None, Field(default=None, ge=0, le=SEED_BOUND)]
 _NO_OP_FORMS = {
     "false": {"const": False}, "zero": {"const": 0}, "empty_list": {"type": "array", "maxItems": 0},
     "empty_str": {"type": "string", "maxLength": 0}, "empty_obj": {"type": "object", "maxProperties": 0},
-    "text_format": {"type": "object", "properties": {"type": {"const": "text"}}},
 }
 
 
@@ -134,7 +133,9 @@ class ChatCompletionRequest(_Sampling):
     functions: Annotated[list[dict[str, Any]] | None, Field(default=None, json_schema_extra=refused("empty_list"))]
     function_call: Annotated[Any, Field(default=None, json_schema_extra=refused())]
     reasoning_effort: Annotated[str | None, Field(default=None, max_length=32)]
-    response_format: Annotated[dict[str, Any] | None, Field(default=None, json_schema_extra=refused("text_format"))]
+    response_format: Annotated[dict[str, Any] | None, Field(default=None, description="{'type': 'text' | "
+                               "'json_object' | 'json_schema', 'json_schema': {'name', 'schema', 'strict'}}: "
+                               "output constrained by the grammar inside speculation.")]
     chat_template_kwargs: dict[str, Any] | None = None
 
     def unsupported(self) -> str | None:
@@ -142,8 +143,6 @@ class ChatCompletionRequest(_Sampling):
             return "functions / function_call (legacy function calling) are not supported"
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs needs logprobs: true"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return f"response_format {self.response_format.get('type')!r} is not supported (only 'text')"
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 for part in message.content:
@@ -237,7 +236,9 @@ def keep_alive_seconds(value) -> float:
 class _OllamaBody(_Body):
     model: ModelName
     stream: bool = True
-    format: Annotated[Any, Field(default=None, json_schema_extra=refused("empty_str"))]
+    format: Annotated[Literal["", "json"] | dict[str, Any] | None,
+                      Field(default=None, description="'json' or a JSON schema: output constrained by the grammar "
+                                                      "inside speculation.")]
     options: OllamaOptions | None = None
     keep_alive: Annotated[str | int | float | None,
                           Field(default=None, json_schema_extra={"not": {"enum": [0, "0", "0s", "0m", "0h"]}})]
@@ -251,8 +252,6 @@ class _OllamaBody(_Body):
         return value
 
     def unsupported(self) -> str | None:
-        if self.format not in (None, ""):
-            return "format (structured output) is not supported"
         if self.keep_alive is not None and keep_alive_seconds(self.keep_alive) == 0:
             return ("keep_alive 0 asks to unload the model; this server keeps its one model loaded "
                     "while it runs")

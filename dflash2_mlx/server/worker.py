@@ -150,6 +150,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     endpoint: str = ""
     top_logprobs: int | None = None  # log-probabilities asked for (alternatives per token), or None
+    constraint: object | None = None  # a GrammarConstraint for structured output, or None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -324,7 +325,7 @@ class GenerationWorker:
         try:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
-                                         top_logprobs=job.top_logprobs,
+                                         top_logprobs=job.top_logprobs, constraint=job.constraint,
                                          prefill_step_size=self.prefill_chunk)
             try:
                 for event in events:
