@@ -64,6 +64,15 @@ def json_schema_grammar(schema: dict | None, compact: bool = False) -> str:
     return _validated(grammar, "JSON schema")
 
 
+def lark_grammar(text: str, what: str = "grammar") -> str:
+    """An llguidance grammar from Lark text (which may embed `%json {schema}`)."""
+    try:
+        grammar = _llguidance().LLMatcher.grammar_from_lark(text)
+    except Exception as e:
+        raise ConfigError(f"invalid {what}: {e}") from None
+    return _validated(grammar, what)
+
+
 def regex_grammar(pattern: str) -> str:
     """An llguidance grammar for text matching the regular expression `pattern`."""
     return _validated(_llguidance().LLMatcher.grammar_from_regex(pattern), "regex")

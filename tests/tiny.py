@@ -50,7 +50,7 @@ class TinyTokenizer:
     """
 
     @staticmethod
-    def make(byte_level: bool = False):
+    def make(byte_level: bool = False, added: dict[int, str] | None = None, wrap: bool = True):
         from mlx_lm.tokenizer_utils import TokenizerWrapper
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
         from transformers import PreTrainedTokenizerFast
@@ -61,9 +61,14 @@ class TinyTokenizer:
         for ch in chars:
             vocab.setdefault(spell.get(ch, ch), len(vocab))
         extra = "{}[]_" if byte_level else ""  # JSON needs braces; they take placeholder ids
+        added = added or {}
         for i in range(len(vocab), VOCAB):
-            vocab[extra[i - len(chars) - 3] if i - len(chars) - 3 < len(extra) else f"<x{i}>"] = i
+            vocab[extra[i - len(chars) - 3] if i - len(chars) - 3 < len(extra) else added.get(i, f"<x{i}>")] = i
         tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+        if added:  # whole-word tokens, matched before the per-character split
+            from tokenizers import AddedToken
+
+            tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in added.values()])
         if byte_level:
             tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False,
                                                                                   use_regex=False),
@@ -73,7 +78,7 @@ class TinyTokenizer:
             tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
             tok.decoder = decoders.Fuse()
         hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-        return TokenizerWrapper(hf)
+        return TokenizerWrapper(hf) if wrap else hf
 
 
 def _scale_weights(model: nn.Module, seed: int, std: float = 0.08) -> None:

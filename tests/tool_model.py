@@ -46,24 +46,8 @@ def successor(token: int) -> int:
 
 
 def tool_tokenizer():
-    from tokenizers import AddedToken
-
-    wrapper = TinyTokenizer.make()
-    hf = wrapper._tokenizer
-    backend = hf.backend_tokenizer
-    vocab = backend.get_vocab()
-    for i, text in SPECIAL.items():  # rename placeholders <x90>.. so the added tokens keep those ids
-        assert vocab[f"<x{i}>"] == i
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    new_vocab = {(SPECIAL.get(i, tok)): i for tok, i in vocab.items()}
-    tok = Tokenizer(models.WordLevel(new_vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in SPECIAL.values()])
-    from transformers import PreTrainedTokenizerFast
-
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    """The byte-level tiny tokenizer (grammar libraries read it) with the call's tokens added."""
+    fast = TinyTokenizer.make(byte_level=True, added=SPECIAL, wrap=False)
     fast.chat_template = TEMPLATE
     return fast
 

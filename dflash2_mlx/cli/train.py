@@ -229,6 +229,57 @@ def fit(
     typer.echo(f"wrote {out} after {state.step} steps", err=True)
 
 
+@train_app.command("eval", help="Teacher-forced held-out metrics of a drafter on prepared data: top-1 / selector "
+                                "pick accuracy and Recall@k by block position, and the τ they imply.")
+@user_errors
+def eval_cmd(
+    model: ModelArg = None,
+    drafter: Annotated[Optional[Path], typer.Option("--drafter", "-d", help="Drafter directory (default: the "
+                                                                            "model's shipped one).")] = None,
+    data: Annotated[Path, typer.Option("--data", help="Data directory (every shard of DATA/feat).")] = Path("data"),
+    seqs: Annotated[int, typer.Option("--seqs", min=1)] = 4,
+    anchors: Annotated[int, typer.Option("--anchors", min=1)] = 64,
+    batches: Annotated[int, typer.Option("--batches", min=1, help="Deterministic batches averaged.")] = 4,
+    train_vocab: Annotated[Optional[Path], typer.Option("--train-vocab", help="Score over this proposal "
+                                                        "vocab's top ids (default: the drafter's own file).")] = None,
+    train_vocab_size: Annotated[Optional[int], typer.Option("--train-vocab-size", min=1)] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    from .. import hub
+    from ..drafter.load import load_drafter
+    from ..drafter.vocab import find_vocab_file
+    from ..train.loop import FeatureDataset, TrainConfig, Trainer
+    from ..train.loss import estimated_tau
+    from ..train.model import FrozenParts
+
+    spec = hub.resolve(model, str(drafter) if drafter else None, progress=True)
+    target = _target(model)
+    d = load_drafter(spec.drafter, target, dtype="float32", draft_vocab=0)
+    shards = sorted((data / "feat").glob("*.safetensors"))
+    if not shards:
+        raise typer.BadParameter(f"--data {data} has no shards in {data / 'feat'}")
+    vocab_file = train_vocab or find_vocab_file(spec.drafter)
+    vocab, _ = _train_vocab(vocab_file, train_vocab_size, target.info.vocab_size)
+    cfg = TrainConfig(steps=0, seqs_per_batch=seqs, anchors_per_seq=anchors, eval_batches=batches)
+    data_set = FeatureDataset(shards)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        m = Trainer(d, FrozenParts.from_target(target), data_set, cfg, Path(tmp), eval_data=data_set,
+                    vocab=vocab).evaluate()
+    acc = m.get("eval_pick", m["eval_top1"])
+    result = {"drafter": str(spec.drafter), "data": str(data), "vocab": vocab.size if vocab else 0,
+              "tau_est": round(estimated_tau(acc), 4), **{k[5:]: v for k, v in m.items()}}
+    if json_out:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"{spec.drafter}: estimated τ {result['tau_est']:.3f} (block {d.config.block_size}, "
+               f"vocab {result['vocab'] or 'full'})")
+    for key in ("top1", "recall", "pick"):
+        if key in result:
+            typer.echo(f"  {key:7s} " + " ".join(f"{v:.2f}" for v in result[key]))
+
+
 def _train_vocab(path: Path | None, size: int | None, vocab_size: int):
     """(TrainVocab, the vocab file's JSON with `size` as its default) or (None, None)."""
     if path is None:

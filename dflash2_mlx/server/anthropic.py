@@ -54,8 +54,9 @@ def _template_messages(body) -> list[dict]:
 _CHOICES = {"auto": "auto", "none": "none", "any": "required"}
 
 
-def _tools(state: ServerState, body) -> list[dict] | None:
-    """Anthropic tools (`name`, `description`, `input_schema`) in the OpenAI form templates take."""
+def _tools(state: ServerState, body) -> tuple[list[dict] | None, str]:
+    """(Anthropic tools (`name`, `description`, `input_schema`) in the OpenAI form templates
+    take, or None; the resolved tool_choice)."""
     choice = body.tool_choice
     if choice is not None:
         kind = choice.get("type")
@@ -80,10 +81,11 @@ def _tools(state: ServerState, body) -> list[dict] | None:
             tools.check_tools(as_openai)
         except APIError as e:  # name Anthropic's own field, not the OpenAI form's
             raise APIError(400, e.message.replace(".function.name", ".name"), "invalid_value", e.param) from None
-    if tools.resolve_tool_choice(choice, as_openai) == "none" or not as_openai:
-        return None
+    resolved = tools.resolve_tool_choice(choice, as_openai)
+    if resolved == "none" or not as_openai:
+        return None, resolved
     tools.check_model_tools(state.session.target.tokenizer, state.model_name)
-    return as_openai
+    return as_openai, resolved
 
 
 async def _prompt_ids(state: ServerState, body, tool_list: list[dict] | None) -> list[int]:
@@ -180,13 +182,16 @@ class _Blocks:
 async def messages(body: MessagesRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
-    tool_list = _tools(state, body)
+    tool_list, choice = _tools(state, body)
     ids = await _prompt_ids(state, body, tool_list)
+    parallel = not (body.tool_choice or {}).get("disable_parallel_tool_use", False)
+    constraint = await tools.forced_call_constraint(state, tool_list, choice, parallel)
     dispatch.check_prompt(state, ids)
     n_max = dispatch.max_tokens(state, body.max_tokens)
     n_max = dispatch.fit_context(state, len(ids), n_max, explicit=True)
     params = dispatch.sampling(state, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages")
+    job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages",
+                          constraint=constraint)
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list)
     if body.stream:
         return EventSourceResponse(dispatch.guarded(state, job, _events(state, job, calls)), sep="\n",
@@ -203,4 +208,4 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
 async def count_tokens(body: CountTokensRequest, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
-    return {"input_tokens": len(await _prompt_ids(state, body, _tools(state, body)))}
+    return {"input_tokens": len(await _prompt_ids(state, body, _tools(state, body)[0]))}

@@ -272,7 +272,7 @@ def _depth(value, level: int = 0) -> int:
 async def json_constraint(state: ServerState, schema: dict | None, param: str):
     """A GrammarConstraint for JSON matching `schema` (None: any object); a bad, too large or too
     deep schema → 400 naming `param`. Built off the event loop (the first one scans the vocab)."""
-    from ..constraint import GrammarConstraint, json_schema_grammar
+    from ..constraint import json_schema_grammar
 
     if schema is not None:
         if not isinstance(schema, dict):
@@ -283,12 +283,19 @@ async def json_constraint(state: ServerState, schema: dict | None, param: str):
             raise APIError(400, f"{param} is {size} characters; at most {MAX_SCHEMA_CHARS}", "invalid_value", param)
         if _depth(schema) > MAX_SCHEMA_DEPTH:
             raise APIError(400, f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", "invalid_value", param)
+    return await grammar_constraint(state, lambda: json_schema_grammar(schema), param)
+
+
+async def grammar_constraint(state: ServerState, make_grammar, param: str):
+    """A GrammarConstraint for the grammar `make_grammar()` returns, built off the event loop;
+    a grammar that does not compile → 400 naming `param`."""
+    from ..constraint import GrammarConstraint
+
     target = state.session.target
 
     def work():
         with state.encode_lock:
-            grammar = json_schema_grammar(schema)
-            return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, grammar)
+            return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, make_grammar())
 
     try:
         return await anyio.to_thread.run_sync(work)

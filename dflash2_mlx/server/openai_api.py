@@ -57,15 +57,18 @@ def _messages(body: ChatCompletionRequest) -> list[dict]:
     return tools.template_messages(out)
 
 
-def _tool_setup(state: ServerState, body: ChatCompletionRequest) -> list[dict] | None:
-    """The tools to render and parse for this request (None: plain chat); 400s for bad ones."""
+def _tool_setup(state: ServerState, body: ChatCompletionRequest) -> tuple[list[dict] | None, str]:
+    """(the tools to render and parse, None for plain chat; the resolved tool_choice); 400s
+    for bad ones."""
+    if body.tools:
+        tools.check_tools(body.tools)
     choice = tools.resolve_tool_choice(body.tool_choice, body.tools)
     if body.parallel_tool_calls is not None and not body.tools:
         raise APIError(400, "parallel_tool_calls was given without tools", "invalid_value", "parallel_tool_calls")
     if not body.tools or choice == "none":
-        return None
+        return None, choice
     tools.check_model_tools(state.session.target.tokenizer, state.model_name)
-    return tools.check_tools(body.tools)
+    return body.tools, choice
 
 
 def _token_text(state: ServerState, token: int) -> str:
@@ -168,7 +171,7 @@ def _prepare(state: ServerState, body, ids: list[int], endpoint: str, top_logpro
 async def chat_completions(body: ChatCompletionRequest, request: Request, state: StateDep):
     dispatch.check_model(state, body.model)
     dispatch.check_unsupported(body)
-    tool_list = _tool_setup(state, body)
+    tool_list, choice = _tool_setup(state, body)
     template = dispatch.template_kwargs(state, reasoning_effort=body.reasoning_effort,
                                         extra=body.chat_template_kwargs,
                                         think_field="chat_template_kwargs.enable_thinking")
@@ -179,6 +182,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     if constraint is not None and tool_list:
         raise APIError(400, "response_format json with tools is not supported (the call format has its own "
                             "grammar)", "unsupported_parameter", "response_format")
+    if constraint is None:  # tool_choice "required" / a named function: the call is constrained
+        constraint = await tools.forced_call_constraint(state, tool_list, choice, body.parallel_tool_calls is not False)
     job = _prepare(state, body, ids, "chat", (body.top_logprobs or 0) if body.logprobs else None, constraint)
     created = int(time.time())
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list, body.parallel_tool_calls is not False)

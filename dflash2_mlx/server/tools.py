@@ -60,17 +60,14 @@ def tool_names(tools: list[dict]) -> list[str]:
 
 
 def resolve_tool_choice(choice: Any, tools: list[dict] | None, param: str = "tool_choice") -> str:
-    """"none", "auto", or raise: forced calls ("required", a named function) need constrained
-    decoding, which this server does not do yet; an unknown name is a 400 naming it."""
+    """"none", "auto", "required", or the name of the function to force; 400 for an unknown
+    name or a malformed choice."""
     if choice is None:
         return "auto" if tools else "none"
     if not tools:
         raise APIError(400, f"{param} was given without tools", "invalid_value", param)
-    if choice in ("none", "auto"):
+    if choice in ("none", "auto", "required"):
         return choice
-    if choice == "required":
-        raise APIError(400, f"{param} 'required' forces a tool call, which needs constrained decoding; this "
-                            "server does not support it yet (use 'auto')", "unsupported_parameter", param)
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
         if not isinstance(name, str):
@@ -79,10 +76,54 @@ def resolve_tool_choice(choice: Any, tools: list[dict] | None, param: str = "too
         if name not in tool_names(tools):
             raise APIError(400, f"{param} names {name!r}, which is not among the tools ({', '.join(tool_names(tools))})",
                            "invalid_value", param)
-        raise APIError(400, f"{param} forcing {name!r} needs constrained decoding; this server does not support "
-                            "it yet (use 'auto')", "unsupported_parameter", param)
+        return name
     raise APIError(400, f"{param} must be 'none', 'auto', 'required' or a named function, got {choice!r}",
                    "invalid_value", param)
+
+
+def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: bool, model_name: str,
+                        param: str = "tool_choice") -> str:
+    """An llguidance (lark) grammar that makes the model call a tool: `choice` "required" (any
+    of `tools`, one or more calls when `parallel`) or one function's name. Only for JSON call
+    formats (`{"name": ..., "arguments": {...}}` between the markers); 400 otherwise."""
+    from ..constraint import lark_grammar
+
+    parser = getattr(tokenizer.tool_parser, "__module__", "")
+    if not parser.endswith("json_tools"):
+        raise APIError(400, f"{param} {choice!r} forces a call, which this server can only constrain for JSON tool "
+                            f"calls; {model_name!r} uses the {parser.rsplit('.', 1)[-1]!r} format (use 'auto')",
+                       "unsupported_parameter", param)
+    chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
+    from ..constraint import BOUNDED_WHITESPACE
+
+    schema = {"x-guidance": {"whitespace_pattern": BOUNDED_WHITESPACE},
+              "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                         "properties": {"name": {"const": t["function"]["name"]},
+                                        "arguments": t["function"].get("parameters") or {"type": "object"}}}
+                        for t in chosen]}
+    open_, close = _marker(tokenizer, tokenizer.tool_call_start), _marker(tokenizer, tokenizer.tool_call_end)
+    call = f"{open_} /\\n?/ call /\\n?/ {close}"
+    start = "start: tc (/\\n?/ tc)*" if parallel and choice == "required" else "start: tc"
+    return lark_grammar(f"{start}\ntc: {call}\ncall: %json {json.dumps(schema)}\n", f"{param} schema")
+
+
+def _marker(tokenizer, text: str) -> str:
+    """A call marker in Lark: its token id when it is one (added) token, which llguidance
+    matches as a special token (`<[id]>`), else the quoted string."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+
+
+async def forced_call_constraint(state, tool_list: list[dict] | None, choice: str, parallel: bool):
+    """The grammar constraint that forces a call (`required` / a named function), else None."""
+    if tool_list is None or choice == "auto":
+        return None
+    from . import dispatch
+
+    tok = state.session.target.tokenizer
+    forced_call_grammar(tok, tool_list, choice, parallel, state.model_name)  # a 400 before the thread
+    return await dispatch.grammar_constraint(
+        state, lambda: forced_call_grammar(tok, tool_list, choice, parallel, state.model_name), "tool_choice")
 
 
 def check_model_tools(tokenizer, model_name: str, param: str = "tools") -> None:
