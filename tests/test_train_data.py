@@ -72,7 +72,7 @@ def test_teacher_forced_shards_resume_by_skipping_done_ones(target, shards):
 
 
 def test_blocks_take_argmax_labels_inside_assistant_turns(target, shards):
-    data = FeatureDataset(shards)
+    data = FeatureDataset(shards, chain_labels=False)  # chained labels: the next test
     batch = data.batch(np.random.default_rng(0), n_seqs=6, n_anchors=5, block_size=4)
     anchors, labels, mask = np.array(batch.anchors), np.array(batch.labels), np.array(batch.label_mask)
     assert mask.sum() > 0
@@ -202,3 +202,24 @@ def test_local_block_attention_equals_the_full_mask_twin(target, causal):
     g_slow = nn.value_and_grad(drafter, lambda: training_hidden(drafter, *args, local=False).sum())()[1]
     for (k, a), (_, b) in zip(tree_flatten(g_fast), tree_flatten(g_slow)):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=1e-3, atol=1e-3, err_msg=k)
+
+
+def test_chain_labels_stop_at_the_first_text_token_off_the_targets_path(tmp_path):
+    # tokens 10..19; the target's argmax agrees with the text except after position 4
+    tokens = np.arange(10, 20, dtype=np.int32)
+    labels = np.concatenate([tokens[1:], [0]]).astype(np.int32)
+    labels[4] = 99  # the target would not have written token 15 after 14
+    arrays = {"tokens": mx.array(tokens), "offsets": mx.array(np.array([0, 10], np.int64)),
+              "response_start": mx.array(np.array([0], np.int32)), "hidden": mx.zeros((10, 3 * 64), mx.float16),
+              "labels": mx.array(labels), "anchor_ok": mx.ones((10,), mx.uint8)}
+    mx.save_safetensors(str(tmp_path / "tf-00000.safetensors"), arrays)
+    for chain in (True, False):
+        data = FeatureDataset([tmp_path / "tf-00000.safetensors"], chain_labels=chain)
+        batch = data.batch(np.random.default_rng(0), n_seqs=1, n_anchors=40, block_size=5)
+        for t, lab, m in zip(np.array(batch.anchors)[0], np.array(batch.labels)[0], np.array(batch.label_mask)[0]):
+            for c in range(4):
+                pos = t + c
+                on_path = all(tokens[p] == labels[p - 1] for p in range(t + 1, min(pos, 9) + 1))
+                assert bool(m[c]) == (pos < 10 and (on_path or not chain)), (chain, t, c)
+                if m[c]:
+                    assert lab[c] == labels[pos]

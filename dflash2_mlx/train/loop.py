@@ -55,9 +55,15 @@ class FeatureDataset:
 
     A block anchored at t (a trainable position) has labels `labels[t + k - 1]` for k = 1..B-1
     (the target's next token after t + k - 1), counted where that position is still trainable.
+
+    `chain_labels`: label k also needs the text after t to follow the target's own argmax up
+    to t + k - 1, so every label is the target's greedy continuation of the prefix (what the
+    drafter must predict); past the first disagreement of teacher-forced text, the argmax is
+    conditioned on tokens the target would not have written. A no-op on regenerated data.
     """
 
-    def __init__(self, paths: list[Path], max_seqs: int | None = None):
+    def __init__(self, paths: list[Path], max_seqs: int | None = None, chain_labels: bool = True):
+        self.chain_labels = chain_labels
         shards = [FeatureShard.load(p) for p in paths]
         shards = [s for s in shards if len(s)]
         if not shards:
@@ -108,6 +114,10 @@ class FeatureDataset:
             pos = np.minimum(pos, n - 1)
             labels[i] = np.where(inside, self.labels[s + pos], 0)
             mask[i] = inside & ok[pos]
+            if self.chain_labels:  # token at pos equals the target's argmax after pos - 1
+                on_path = self.tokens[s + pos] == self.labels[s + np.maximum(pos - 1, 0)]
+                on_path[:, 0] = True
+                mask[i] = mask[i] * np.cumprod(on_path, axis=1)
         return Batch(mx.array(hidden), mx.array(lengths.astype(np.int32)), mx.array(anchors),
                      mx.array(anchor_tokens), mx.array(labels), mx.array(mask))
 
