@@ -223,3 +223,15 @@ def test_chain_labels_stop_at_the_first_text_token_off_the_targets_path(tmp_path
                 assert bool(m[c]) == (pos < 10 and (on_path or not chain)), (chain, t, c)
                 if m[c]:
                     assert lab[c] == labels[pos]
+
+
+def test_export_carries_the_train_vocab(tmp_path):
+    from dflash2_mlx.drafter.load import save_drafter
+    from dflash2_mlx.train.export import export_drafter
+
+    target = tiny_target("llama")
+    run = tmp_path / "run"
+    save_drafter(tiny_drafter(target, "dflash2", block_size=4), run / "checkpoint" / "drafter")
+    (run / "proposal_vocab.json").write_text('{"format": "x"}')
+    out = export_drafter(run / "checkpoint", tmp_path / "out")
+    assert (out / "proposal_vocab.json").read_text() == '{"format": "x"}'

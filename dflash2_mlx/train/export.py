@@ -8,12 +8,14 @@ them, so a bad export never replaces anything.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
 
 from ..drafter.config import parse_config
 from ..drafter.load import build_drafter, read_checkpoint, save_drafter
+from ..drafter.vocab import FILE_NAME
 from ..errors import ConfigError
 
 DTYPES = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}
@@ -28,7 +30,13 @@ def export_drafter(src: str | os.PathLike, out: str | os.PathLike, dtype: str = 
         src = src / "drafter"
     raw, weights = read_checkpoint(src)
     cast = {k: v.astype(DTYPES[dtype]) if mx.issubdtype(v.dtype, mx.floating) else v for k, v in weights.items()}
-    return save_drafter(build_drafter(parse_config(raw), cast), out, {"torch_dtype": dtype})
+    out = save_drafter(build_drafter(parse_config(raw), cast), out, {"torch_dtype": dtype})
+    # The proposal vocab it was trained over travels with it (fit writes it to the run directory).
+    for vocab in (src / FILE_NAME, src.parent.parent / FILE_NAME if src.name == "drafter" else None):
+        if vocab is not None and vocab.is_file():
+            shutil.copyfile(vocab, Path(out) / FILE_NAME)
+            break
+    return out
 
 
 def file_size_mb(path: str | os.PathLike) -> float:
