@@ -86,16 +86,10 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: boo
     """An llguidance (lark) grammar that makes the model call a tool: `choice` "required" (any
     of `tools`, one or more calls when `parallel`) or one function's name. Only for JSON call
     formats (`{"name": ..., "arguments": {...}}` between the markers); 400 otherwise."""
-    from ..constraint import lark_grammar
+    from ..constraint import BOUNDED_WHITESPACE, lark_grammar
 
-    parser = getattr(tokenizer.tool_parser, "__module__", "")
-    if not parser.endswith("json_tools"):
-        raise APIError(400, f"{param} {choice!r} forces a call, which this server can only constrain for JSON tool "
-                            f"calls; {model_name!r} uses the {parser.rsplit('.', 1)[-1]!r} format (use 'auto')",
-                       "unsupported_parameter", param)
+    check_forced_format(tokenizer, choice, model_name, param)
     chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
-    from ..constraint import BOUNDED_WHITESPACE
-
     schema = {"x-guidance": {"whitespace_pattern": BOUNDED_WHITESPACE},
               "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                          "properties": {"name": {"const": t["function"]["name"]},
@@ -105,6 +99,15 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: boo
     call = f"{open_} /\\n?/ call /\\n?/ {close}"
     start = "start: tc (/\\n?/ tc)*" if parallel and choice == "required" else "start: tc"
     return lark_grammar(f"{start}\ntc: {call}\ncall: %json {json.dumps(schema)}\n", f"{param} schema")
+
+
+def check_forced_format(tokenizer, choice: str, model_name: str, param: str = "tool_choice") -> None:
+    """400 unless the model's tool calls are JSON, the only format a forced call is built for."""
+    parser = getattr(tokenizer.tool_parser, "__module__", "")
+    if not parser.endswith("json_tools"):
+        raise APIError(400, f"{param} {choice!r} forces a call, which this server can only constrain for JSON tool "
+                            f"calls; {model_name!r} uses the {parser.rsplit('.', 1)[-1]!r} format (use 'auto')",
+                       "unsupported_parameter", param)
 
 
 def _marker(tokenizer, text: str) -> str:
@@ -121,7 +124,7 @@ async def forced_call_constraint(state, tool_list: list[dict] | None, choice: st
     from . import dispatch
 
     tok = state.session.target.tokenizer
-    forced_call_grammar(tok, tool_list, choice, parallel, state.model_name)  # a 400 before the thread
+    check_forced_format(tok, choice, state.model_name)
     return await dispatch.grammar_constraint(
         state, lambda: forced_call_grammar(tok, tool_list, choice, parallel, state.model_name), "tool_choice")
 
