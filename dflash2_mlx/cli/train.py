@@ -107,6 +107,9 @@ def teacher_data(
                                else default_target_layer_ids(target.n_layers, 5))
     if taps_file.exists() and json.loads(taps_file.read_text())["target_layer_ids"] != layer_ids:
         raise typer.BadParameter(f"--taps {layer_ids} differ from {taps_file}'s existing shards")
+    if skip_docs % shard_size:
+        raise typer.BadParameter(f"--skip-docs {skip_docs} must be a multiple of --shard-size {shard_size} "
+                                 "(shards are numbered by document)")
     stats: dict = {}
     flt = EvalFilter.from_suites()
     docs = mixed_documents(skip_docs + n_docs, code_share, seed=seed, eval_filter=flt, stats=stats)[skip_docs:]
