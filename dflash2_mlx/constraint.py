@@ -4,7 +4,7 @@ A `GrammarConstraint` owns an llguidance matcher over the target's vocabulary. T
 it for one mask per verify row: row 0 in the current grammar state, row i+1 in the state
 reached by consuming drafts[0..i]; the walk stops at the first draft the grammar forbids
 (that draft is rejected like any other mismatch, so the rows after it are never used). The
-matcher is rolled back after the walk and only the tokens the cycle emits are committed.
+walk runs on a copy of the matcher; only the tokens the cycle emits are committed.
 
 Masking the target's rows this way makes speculative output equal constrained plain decoding:
 greedy picks the argmax over allowed tokens, and rejection sampling runs against the masked
@@ -98,23 +98,28 @@ class GrammarConstraint:
         self._fill = ll.numpy.fill_next_token_bitmask
         self.seconds = 0.0  # time spent computing masks and consuming tokens
 
-    def _mask(self) -> np.ndarray:
-        self._fill(self.matcher, self._bits)
+    def _mask(self, matcher) -> np.ndarray:
+        self._fill(matcher, self._bits)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
         return bits[: self.vocab_size].astype(bool)
 
     def masks(self, drafts: list[int]) -> np.ndarray:
-        """Allowed tokens [len(drafts) + 1, V] per verify row (all True past a forbidden draft)."""
+        """Allowed tokens [len(drafts) + 1, V] per verify row (all True past a forbidden draft).
+
+        The walk runs on a copy of the matcher, so a draft the matcher refuses to consume
+        (though its mask bit was set) cannot leave the real state in error: it is marked
+        forbidden in its row instead, and is rejected like any other.
+        """
         t0 = time.perf_counter()
         rows = np.ones((len(drafts) + 1, self.vocab_size), dtype=bool)
-        walked = 0
+        walker = self.matcher.deep_copy() if drafts else self.matcher
         for i in range(len(drafts) + 1):
-            rows[i] = self._mask()
-            if i == len(drafts) or not rows[i][drafts[i]] or not self.matcher.consume_token(drafts[i]):
+            rows[i] = self._mask(walker)
+            if i == len(drafts) or not rows[i][drafts[i]]:
                 break
-            walked += 1
-        if walked:
-            self.matcher.rollback(walked)
+            if not walker.consume_token(drafts[i]):
+                rows[i][drafts[i]] = False
+                break
         self.seconds += time.perf_counter() - t0
         return rows
 

@@ -1,6 +1,6 @@
 """Grammar constraints inside speculation: greedy output equals constrained plain decoding,
-sampled output follows the masked target distribution, and the matcher rolls back with the
-caches (llguidance)."""
+sampled output follows the masked target distribution, and the draft-path walk leaves the
+matcher's state alone (llguidance)."""
 
 import json
 
