@@ -70,6 +70,7 @@ class GenerationEvent:
     peak_memory_gb: float
     stop_sequence: str | None = None  # the stop string that ended generation, if one did
     logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked for
+    cached_tokens: int = 0  # prompt tokens a prompt cache supplied (not prefilled)
 
 
 @dataclass
@@ -121,11 +122,11 @@ class _Run:
     params: SamplingParams
     key: mx.array
     target_cache: list
-    drafter_cache: list | None
+    context: object | None  # the drafter's `DraftContext`, or None without a drafter
     taps: tuple[int, ...]
     history: list[int]
     processors: list
-    pending_ctx: list = field(default_factory=list)
+    fed: int = 0  # tokens of `history` the target's caches (and the drafter's context) cover
     top_logprobs: int | None = None  # report log-probabilities (with this many alternatives) when set
     overlap: bool = True  # build the verify graph while the drafts compute
     queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
@@ -187,37 +188,29 @@ def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: in
         raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
 
 
-def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None) -> mx.array | None:
-    """Feed the prompt in chunks; return the logits of its last position [1, 1, V].
+def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None, mark=None) -> mx.array | None:
+    """Feed `ids[run.fed:]` in chunks; return the logits of the last position [1, 1, V].
 
     `on_prefill(n_done, n_total)` runs before each chunk; a False return stops the prefill
-    (None is returned), so a long prompt can be cancelled between chunks.
+    (None is returned), so a long prompt can be cancelled between chunks. `mark(n)`, if given,
+    runs when the caches cover all but the last prompt token (a chunk ends there).
     """
-    limit = run.drafter.config.context_limit if run.drafter is not None else None
+    bounds = list(range(run.fed, len(ids), step))
+    if mark is not None and len(ids) - 1 not in bounds:
+        bounds = sorted(bounds + [len(ids) - 1])
     logits = None
-    for start in range(0, len(ids), step):
+    for start, end in zip(bounds, bounds[1:] + [len(ids)]):
         if on_prefill is not None and on_prefill(start, len(ids)) is False:
             return None
-        chunk = mx.array([ids[start : start + step]])
-        last = start + step >= len(ids)
-        logits, hidden = run.target.forward(chunk, run.target_cache, run.taps, "last" if last else "none")
+        if mark is not None and start == len(ids) - 1:
+            mark(run.fed)
+        logits, hidden = run.target.forward(mx.array([ids[start:end]]), run.target_cache, run.taps,
+                                            "last" if end == len(ids) else "none")
         if hidden is not None:
-            run.pending_ctx.append(hidden)
-            _cap_context(run, limit)
-        mx.eval([c.state for c in run.target_cache], run.pending_ctx)
+            run.context.feed(hidden)
+        run.fed = end
+        mx.eval([c.state for c in run.target_cache], run.context.pending if run.context is not None else [])
     return logits
-
-
-def _cap_context(run: _Run, limit: int | None) -> None:
-    """Drop context rows that no draft query can ever see (all-sliding drafters only)."""
-    if limit is None:
-        return
-    n = sum(h.shape[1] for h in run.pending_ctx)
-    if n > limit:
-        ctx = mx.concatenate(run.pending_ctx, axis=1)
-        run.pending_ctx = [ctx[:, n - limit :]]
-        for c in run.drafter_cache:
-            c.n_stored, c.offset = 0, c.offset + n - limit
 
 
 def _choose(run: _Run, logits: mx.array, block: list[int], key: mx.array) -> tuple[mx.array, mx.array]:
@@ -255,21 +248,13 @@ def _logprob_list(info, tokens: list[int]) -> list[TokenLogprob] | None:
             for i, t in enumerate(tokens)]
 
 
-def _take_context(run: _Run) -> mx.array:
-    ctx = mx.concatenate(run.pending_ctx, axis=1) if len(run.pending_ctx) > 1 else run.pending_ctx[0]
-    run.pending_ctx = []
-    return ctx
-
-
 def _queue_plain(run: _Run, token_in: mx.array) -> tuple:
     """Queue one plain decoding step after `token_in` (host or lazy); (token, logprobs) stay lazy."""
     logits, hidden = run.target.forward(token_in.reshape(1, 1), run.target_cache, run.taps, "last")
     token, rows = _choose(run, logits[0], [], run.next_key())
+    run.fed += 1
     if hidden is not None:
-        run.pending_ctx.append(hidden)
-        if len(run.pending_ctx) > 32:  # long plain stretches: keep the list short
-            run.pending_ctx = [mx.concatenate(run.pending_ctx, axis=1)]
-        _cap_context(run, run.drafter.config.context_limit)
+        run.context.feed(hidden)
     info = _logprobs(run, rows, token)
     mx.async_eval(token, *(x for x in info or () if x is not None))
     return token, info
@@ -296,8 +281,7 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     evaluated first. Either way, waiting on the drafts tells their finish time (`draft_s`) apart."""
     t0 = time.perf_counter()
     anchor = run.history[-1]
-    proposal = run.drafter.propose(mx.array([anchor]), _take_context(run), run.drafter_cache, width,
-                                   run.params.temperature, run.next_key())
+    proposal = run.drafter.draft(mx.array([anchor]), run.context, width, run.params.temperature, run.next_key())
     drafts = proposal.tokens[0]
     if run.processors or run.constraint is not None or not run.overlap:  # penalties, grammar: drafts on the host
         mx.eval(drafts)
@@ -332,7 +316,8 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     else:
         n_acc, nxt = int(outputs[0].item()), int(outputs[1].item())
     run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
-    run.pending_ctx.append(hidden[:, : n_acc + 1])
+    run.context.feed(hidden[:, : n_acc + 1])
+    run.fed += n_acc + 1
     emitted = draft_list[:n_acc] + [nxt]
     t2 = time.perf_counter()
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
@@ -410,7 +395,8 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
                     sampling: SamplingParams | None = None, block_size: int | None = None,
                     stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
                     block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True,
-                    top_logprobs: int | None = None, overlap: bool | None = None, constraint=None):
+                    top_logprobs: int | None = None, overlap: bool | None = None, constraint=None,
+                    prompt_cache=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -438,20 +424,54 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         constraint: a `GrammarConstraint` (fresh, at the grammar's start): every target row is
             masked by the grammar state along the draft path, so the output equals constrained
             plain decoding; generation ends when the grammar is complete.
+        prompt_cache: a `PromptCache` for this target and drafter: generation starts from the
+            longest prefix of the prompt it reaches exactly and leaves it covering prompt and
+            reply (events report `cached_tokens`). Output equals a cold run's.
     """
     params = sampling or SamplingParams()
     ids = _encode(target, prompt)
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
     _check_args(target, drafter, ids, max_tokens, width)
     seed = params.seed if params.seed is not None else random.getrandbits(63)
+    n_cached, mark = 0, None
+    if prompt_cache is not None:
+        prompt_cache.check(target, drafter, width, kv_bits)
+        n_cached = prompt_cache.reuse(ids).n_cached
+        target_cache, context = prompt_cache.target_cache, prompt_cache.context
+        mark = prompt_cache.take_mark if prompt_cache.needs_mark else None
+    else:
+        target_cache = target.make_cache(reserve=max(width, 1), kv_bits=kv_bits)
+        context = drafter.begin() if drafter is not None else None
     run = _Run(
-        target=target, drafter=drafter, params=params, key=mx.random.key(seed),
-        target_cache=target.make_cache(reserve=max(width, 1), kv_bits=kv_bits),
-        drafter_cache=drafter.make_cache() if drafter is not None else None,
-        taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
-        history=list(ids), processors=make_processors(params), top_logprobs=top_logprobs,
+        target=target, drafter=drafter, params=params, key=mx.random.key(seed), target_cache=target_cache,
+        context=context, taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+        history=list(ids), processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs,
         overlap=overlap if overlap is not None else mx.default_device() == mx.gpu, constraint=constraint,
     )
+    events = _generate(run, ids, n_cached, mark, max_tokens, width, stop, prefill_step_size, block_policy,
+                       on_prefill, pipelined)
+    if prompt_cache is None:
+        return events
+    return _tracked(events, run, prompt_cache)
+
+
+def _tracked(events, run: _Run, prompt_cache):
+    """Pass `events` on, keeping `prompt_cache.tokens` equal to what the caches cover; a run
+    cut inside a cycle (an error, not a close at an event) leaves them unknown: reset."""
+    try:
+        yield from events
+    except GeneratorExit:
+        prompt_cache.tokens = run.history[: run.fed]
+        raise
+    except BaseException:
+        prompt_cache.reset()
+        raise
+    prompt_cache.tokens = run.history[: run.fed]
+
+
+def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, width: int, stop,
+              prefill_step_size: int, block_policy, on_prefill, pipelined: bool):
+    target, constraint = run.target, run.constraint
     stopper = _Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
     # the generation stream, entered around each step so that it does not leak into the caller.
@@ -459,13 +479,13 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
         mx.reset_peak_memory()
         tic = time.perf_counter()
         with mx.stream(generation_stream()):
-            logits = _prefill(run, ids, prefill_step_size, on_prefill)
+            logits = _prefill(run, ids, prefill_step_size, on_prefill, mark)
             if logits is None:
                 return
             first_arr, rows = _choose(run, logits[0], [], run.next_key())
             first = int(first_arr.item())
             first_lp = _logprob_list(_logprobs(run, rows, first_arr), [first])
-        prompt_tps = len(ids) / (time.perf_counter() - tic)
+        prompt_tps = (len(ids) - n_cached) / (time.perf_counter() - tic)
         tic = time.perf_counter()
 
         def event(tokens, cycle, finish, logprobs):
@@ -473,7 +493,7 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
                                    prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
                                    peak_memory_gb(), stopper.matched if finish == "stop" else None,
-                                   logprobs[: len(tokens)] if logprobs is not None else None)
+                                   logprobs[: len(tokens)] if logprobs is not None else None, n_cached)
 
         kept, finish = stopper.feed([first])
         run.history.append(first)

@@ -105,11 +105,11 @@ class RecordingDrafter:
     def __init__(self, drafter):
         self.drafter, self.config, self.target, self.proposals = drafter, drafter.config, drafter.target, []
 
-    def make_cache(self):
-        return self.drafter.make_cache()
+    def begin(self, reserve=0):
+        return self.drafter.begin(reserve)
 
-    def propose(self, *args, **kwargs):
-        proposal = self.drafter.propose(*args, **kwargs)
+    def draft(self, *args, **kwargs):
+        proposal = self.drafter.draft(*args, **kwargs)
         self.proposals.append(proposal.tokens[0].tolist())
         return proposal
 

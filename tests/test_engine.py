@@ -6,6 +6,7 @@ from mlx_lm.generate import stream_generate as mlx_stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
 from dflash2_mlx import SamplingParams, generate, stream_generate
+from dflash2_mlx.drafter.context import DraftContext
 from dflash2_mlx.drafter.selector import Proposal
 from dflash2_mlx.errors import ConfigError
 from tiny import FAMILIES, MASK_ID, VOCAB, tiny_drafter, tiny_target
@@ -51,10 +52,11 @@ class ScriptedDrafter:
         self.config = parse_config(drafter_config_dict("dflash", block_size=block_size, target_layers=(1,)))
         self.target, self.truth, self.n_ctx, self.calls = target, truth, 0, 0
 
-    def make_cache(self):
-        return []
+    def begin(self, reserve=0):
+        return DraftContext([], None)
 
-    def propose(self, anchor, ctx, cache, block_size, temperature=0.0, key=None, use_kernel=None):
+    def draft(self, anchor, context, block_size, temperature=0.0, key=None):
+        ctx = context.take()
         self.n_ctx += ctx.shape[1]
         pos = self.n_ctx  # index of the anchor in prompt + output
         drafts = list(self.truth[pos + 1 : pos + block_size])

@@ -157,11 +157,15 @@ class OverlapDrafter:
         self.config = parse_config(drafter_config_dict("dflash", block_size=3, target_layers=(1,)))
         self.target, self.history, self.last = target, list(prompt), []
 
-    def make_cache(self):
-        return []
+    def begin(self, reserve=0):
+        from dflash2_mlx.drafter.context import DraftContext
 
-    def propose(self, anchor, ctx, cache, block_size, temperature=0.0, key=None, use_kernel=None):
+        return DraftContext([], None)
+
+    def draft(self, anchor, context, block_size, temperature=0.0, key=None):
         from dflash2_mlx.drafter.selector import Proposal
+
+        ctx = context.take()
         from dflash2_mlx.sampling import SamplingParams, target_probs
 
         n_rows = ctx.shape[1]

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.rope_utils import initialize_rope
 
 from ..caches import WindowKVCache
 from ..errors import ConfigError
 from .config import DrafterConfig, check_fits
+from .context import DraftContext, draft_caches
 from .conv import GroupedDynamicCausalConv
 from .selector import CandidateSelector, Proposal
 from .vocab import ProposalVocab, head_rows
@@ -202,12 +202,14 @@ class Drafter(nn.Module):
         w = self.fc.weight
         return w.shape[1] * 32 // self.fc.bits if isinstance(self.fc, nn.QuantizedLinear) else w.shape[1]
 
-    def make_cache(self) -> list:
-        """One context K/V store per layer; sliding layers keep `sliding_window - 1` rows."""
-        return [
-            WindowKVCache(self.config.sliding_window, 0) if t == "sliding_attention" else KVCache()
-            for t in self.config.layer_types
-        ]
+    def make_cache(self, reserve: int = 0) -> list:
+        """One context K/V store per layer; sliding layers keep `sliding_window - 1 + reserve` rows."""
+        return draft_caches(self.config, reserve)
+
+    def begin(self, reserve: int = 0) -> DraftContext:
+        """An empty context for a new sequence; `reserve` rows more per sliding layer let a
+        prompt cache drop that many tokens exactly once the window is full."""
+        return DraftContext(self.make_cache(reserve), self.config.context_limit)
 
     def _require_target(self):
         if self.target is None:
@@ -254,6 +256,11 @@ class Drafter(nn.Module):
         if cap:
             out = mx.tanh(out / cap) * cap
         return out
+
+    def draft(self, anchor: mx.array, context: DraftContext, block_size: int, temperature: float = 0.0,
+              key: mx.array | None = None) -> Proposal:
+        """Draft after `anchor [B]` from `context`, which reads (and caches) its pending states."""
+        return self.propose(anchor, context.take(), context.cache, block_size, temperature, key)
 
     def propose(self, anchor: mx.array, target_hidden: mx.array, cache: list, block_size: int,
                 temperature: float = 0.0, key: mx.array | None = None,

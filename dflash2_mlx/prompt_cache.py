@@ -1,0 +1,172 @@
+"""Caller-owned prompt caches: the target's caches, the drafter's context and the ids they cover.
+
+Chat clients resend the whole conversation every turn. `stream_generate(..., prompt_cache=pc)`
+starts from the longest prefix of the prompt that `pc` reaches exactly, prefills only the rest,
+and leaves `pc` covering the prompt and the reply, ready for the next turn.
+
+Reaching a shorter prefix than the cache holds, per cache kind:
+
+* KV caches (plain or quantized): trimmed, always exact.
+* Sliding-window caches (the target's `WindowKVCache` layers, the drafter's sliding context):
+  trimmed while the rows they keep cover the cut (`reserve` rows past the window).
+* Recurrent state (GatedDeltaNet, Mamba): never trimmed. For these and deep window cuts the
+  cache keeps a *mark*: a snapshot one token before the end of the last prompt, the point that
+  the next turn of a chat, or the same prompt again, shares.
+
+A prefix reached neither way is refused: the cache starts cold and `last_reuse` says why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .caches import RecurrentCache, WindowKVCache, cache_nbytes, can_trim, restore, snapshot
+from .errors import ConfigError
+
+DEFAULT_RESERVE = 64  # tokens a window cache can drop exactly past its window (and the widest verify)
+
+
+@dataclass
+class Reuse:
+    """What `PromptCache.reuse` did: `n_cached` prompt tokens came from the cache."""
+
+    n_cached: int
+    n_common: int  # prompt tokens the cache shared, before the cut to what it can reach
+    how: str  # "trim", "mark", "cold" or "empty"
+    reason: str | None = None  # why a shared prefix could not be used, when it could not
+
+
+@dataclass
+class _Mark:
+    n: int
+    target: list
+    context: tuple | None
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class PromptCache:
+    """The state of one conversation on one (target, drafter) pair, reusable across calls.
+
+    Args:
+        target: the `Target` it caches.
+        drafter: the bound drafter whose context it keeps, or None (plain decoding).
+        reserve: the widest verify block it serves and the deepest exact window trim.
+        kv_bits: quantized full-attention KV (as `stream_generate`'s `kv_bits`).
+    """
+
+    def __init__(self, target, drafter=None, reserve: int = DEFAULT_RESERVE, kv_bits: int | None = None):
+        if reserve < 1:
+            raise ConfigError(f"a prompt cache's reserve must be >= 1, got {reserve}")
+        self.target, self.drafter, self.reserve, self.kv_bits = target, drafter, reserve, kv_bits
+        self.last_reuse: Reuse | None = None
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything: fresh caches covering no tokens."""
+        self.target_cache = self.target.make_cache(reserve=self.reserve, kv_bits=self.kv_bits)
+        self.context = self.drafter.begin(self.reserve) if self.drafter is not None else None
+        self.tokens: list[int] = []
+        self._mark: _Mark | None = None
+
+    # -- ownership ------------------------------------------------------------------------
+
+    def check(self, target, drafter, width: int, kv_bits: int | None) -> None:
+        """Fail unless this cache was made for this target, drafter, width and KV format."""
+        if target is not self.target or drafter is not self.drafter:
+            raise ConfigError("this prompt cache was made for another target/drafter pair; "
+                              "make one per pair (PromptCache(target, drafter))")
+        if width > self.reserve:
+            raise ConfigError(f"block size {width} exceeds the prompt cache's reserve {self.reserve}")
+        if kv_bits is not None and kv_bits != self.kv_bits:
+            raise ConfigError(f"kv_bits {kv_bits} differs from the prompt cache's {self.kv_bits}")
+
+    # -- reuse ------------------------------------------------------------------------------
+
+    def reuse(self, ids: list[int]) -> Reuse:
+        """Bring the caches to the longest prefix of `ids` they reach exactly (at least one
+        token is left to feed, for its logits); the result says how many tokens that is."""
+        n_common = _common_prefix(self.tokens, ids)
+        m = min(n_common, len(ids) - 1)
+        if not self.tokens:
+            return self._done(Reuse(0, 0, "empty"))
+        if m > 0 and self._can_trim(len(self.tokens) - m):
+            self._trim(len(self.tokens) - m)
+            return self._done(Reuse(m, n_common, "trim"))
+        if m > 0 and self._mark is not None and self._mark.n <= m:
+            self._restore_mark()
+            return self._done(Reuse(self._mark.n, n_common, "mark"))
+        reason = None if m <= 0 else (f"the cache cannot drop {len(self.tokens) - m} tokens exactly "
+                                      f"({self._blocker()}) and holds no snapshot at or before token {m}")
+        self.reset()
+        return self._done(Reuse(0, n_common, "cold", reason))
+
+    def _done(self, reuse: Reuse) -> Reuse:
+        if self._mark is not None and self._mark.n > reuse.n_cached:
+            self._mark = None  # it covers tokens the caches no longer share
+        self.tokens = self.tokens[: reuse.n_cached]
+        self.last_reuse = reuse
+        return reuse
+
+    def _can_trim(self, n: int) -> bool:
+        ok = all(can_trim(c, n) for c in self.target_cache)
+        return ok and (self.context is None or self.context.can_trim(n))
+
+    def _blocker(self) -> str:
+        kinds = {type(c).__name__ for c in self.target_cache if isinstance(c, (RecurrentCache, WindowKVCache))}
+        if self.context is not None:
+            kinds.add("the drafter's sliding context")
+        return ", ".join(sorted(kinds)) or "unknown"
+
+    def _trim(self, n: int) -> None:
+        for c in self.target_cache:
+            if n and not isinstance(c, RecurrentCache):
+                c.trim(n)
+        if self.context is not None:
+            self.context.trim(n)
+
+    # -- the mark ------------------------------------------------------------------------------
+
+    @property
+    def needs_mark(self) -> bool:
+        """Whether some cache cannot be trimmed arbitrarily deep (so `take_mark` pays)."""
+        kinds = (RecurrentCache, WindowKVCache)
+        return any(isinstance(c, kinds) for c in self.target_cache) or (
+            self.context is not None and any(isinstance(c, WindowKVCache) for c in self.context.cache))
+
+    def take_mark(self, n_tokens: int) -> None:
+        """Snapshot the caches now, while they cover `n_tokens` tokens (the engine calls this
+        one token before the end of each prompt)."""
+        self._mark = _Mark(n_tokens, [snapshot(c) for c in self.target_cache],
+                           self.context.snapshot() if self.context is not None else None)
+
+    def _restore_mark(self) -> None:
+        for c, snap in zip(self.target_cache, self._mark.target):
+            restore(c, snap)
+        if self.context is not None:
+            self.context.restore(self._mark.context)
+
+    # -- size -----------------------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: caches, the drafter's context and the mark's copies."""
+        n = sum(cache_nbytes(c) for c in self.target_cache)
+        n += self.context.nbytes if self.context is not None else 0
+        if self._mark is not None:
+            n += sum(_snap_bytes(s) for s in self._mark.target)
+            n += sum(_snap_bytes(s) for s in self._mark.context[0]) if self._mark.context else 0
+        return n
+
+
+def _snap_bytes(snap) -> int:
+    kind, state = snap
+    if kind == "window" and state is not None:
+        return state[0].nbytes + state[1].nbytes
+    return 0  # offsets cost nothing; recurrent snapshots share arrays the cache may still hold

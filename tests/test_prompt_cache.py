@@ -1,0 +1,131 @@
+"""A reused prompt cache gives exactly a cold run's output, for every cache kind the engine has."""
+
+import mlx.core as mx
+import pytest
+
+from dflash2_mlx import SamplingParams, generate, stream_generate
+from dflash2_mlx.errors import ConfigError
+from dflash2_mlx.prompt_cache import PromptCache
+from tiny import tiny_drafter, tiny_target
+
+P1 = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12, 18, 6, 27, 33, 8, 11, 19, 25]
+USER2 = [44, 2, 17, 29, 35, 4, 13]
+OTHER = [50, 51, 23, 61, 70, 15, 38, 9]
+N = 20
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_5", "gemma3_text"])
+def target(request):
+    return tiny_target(request.param)  # gemma3_text: window 8, so every turn runs past it
+
+
+def _cold(target, drafter, prompt, **kw):
+    return generate(target, drafter, prompt, max_tokens=N, block_size=4, **kw).tokens
+
+
+def _hot(target, drafter, prompt, cache, **kw):
+    return generate(target, drafter, prompt, max_tokens=N, block_size=4, prompt_cache=cache, **kw).tokens
+
+
+@pytest.mark.parametrize("reserve", [4, 64])
+@pytest.mark.parametrize("arch", ["dflash", "dflash2", None])
+def test_turns_with_a_prompt_cache_equal_cold_runs(target, arch, reserve):
+    drafter = tiny_drafter(target, arch, block_size=4) if arch else None
+    cache = PromptCache(target, drafter, reserve=reserve)
+    first = _hot(target, drafter, P1, cache)
+    assert first == _cold(target, drafter, P1)
+    covered = P1 + first
+    assert cache.tokens == covered[: len(cache.tokens)] and len(cache.tokens) >= len(covered) - 1
+
+    turns = [
+        P1 + first + USER2,  # a chat's next turn: everything before is shared
+        P1 + first[:-3] + OTHER,  # the reply re-templated: a few tokens cut
+        P1[:6] + OTHER,  # only the start shared
+        P1[:6] + OTHER,  # the same prompt again
+    ]
+    for prompt in turns:
+        before = list(cache.tokens)
+        hot = _hot(target, drafter, prompt, cache)
+        assert hot == _cold(target, drafter, prompt), (prompt, cache.last_reuse)
+        reuse = cache.last_reuse
+        shared = min(next((i for i, (a, b) in enumerate(zip(before, prompt)) if a != b), len(before)),
+                     len(prompt) - 1)
+        assert reuse.n_cached <= shared and (reuse.n_cached == shared or reuse.how in ("mark", "cold"))
+    assert cache.last_reuse.n_cached == len(turns[-1]) - 1  # a repeat always hits: the mark is there
+
+
+def test_exact_kinds_trim_and_others_fall_back_to_the_mark(target):
+    drafter = tiny_drafter(target, "dflash2", block_size=4, layer_types=["full_attention"] * 2)
+    cache = PromptCache(target, drafter, reserve=4)
+    _hot(target, drafter, P1, cache)
+    _hot(target, drafter, P1[:6] + OTHER, cache)
+    # gemma3's window layers still hold the cut rows (their buffer has not wrapped): exact too
+    kinds = {"llama": "trim", "qwen3": "trim", "qwen3_5_text": "cold", "gemma3_text": "trim"}
+    assert cache.last_reuse.how == kinds[target.model_type]
+    if cache.last_reuse.how == "cold":
+        assert "cannot drop" in cache.last_reuse.reason
+
+
+def test_a_window_cache_trims_only_the_rows_it_holds():
+    from dflash2_mlx.caches import WindowKVCache, can_trim
+
+    c = WindowKVCache(window=8, reserve=2)
+    row = mx.zeros((1, 1, 1, 4))
+    while c.offset < 2 or c.n_stored == c.offset:  # until the buffer fills and old rows go
+        c.update_and_fetch(row, row)
+    assert c.n_stored == 10
+    assert can_trim(c, 3) and not can_trim(c, 4)  # 7 rows must stay for the window
+
+
+def test_sampling_with_a_seed_is_the_same_cached_and_cold(target):
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=11)
+    cache = PromptCache(target, drafter, reserve=4)
+    first = _hot(target, drafter, P1, cache, sampling=sampling)
+    assert first == _cold(target, drafter, P1, sampling=sampling)
+    second = P1 + first + USER2
+    assert _hot(target, drafter, second, cache, sampling=sampling) == _cold(target, drafter, second, sampling=sampling)
+
+
+def test_a_reply_closed_early_leaves_the_cache_usable(target):
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    cache = PromptCache(target, drafter)
+    events = stream_generate(target, drafter, P1, max_tokens=N, block_size=4, prompt_cache=cache)
+    got = [t for _, ev in zip(range(3), events) for t in ev.tokens]
+    events.close()
+    assert cache.tokens == (P1 + got)[: len(cache.tokens)]
+    prompt = P1 + got + USER2
+    assert _hot(target, drafter, prompt, cache) == _cold(target, drafter, prompt)
+    assert cache.last_reuse.n_cached >= len(P1)
+
+
+def test_events_report_the_cached_tokens(target):
+    cache = PromptCache(target, None)
+    first = list(stream_generate(target, None, P1, max_tokens=4, prompt_cache=cache))
+    assert first[0].cached_tokens == 0
+    again = list(stream_generate(target, None, P1 + USER2, max_tokens=4, prompt_cache=cache))
+    assert again[0].cached_tokens == cache.last_reuse.n_cached > 0
+    assert again[0].prompt_tokens == len(P1 + USER2)
+
+
+def test_a_cache_for_another_pair_or_width_is_refused():
+    target, other = tiny_target("llama"), tiny_target("llama", seed=3)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    with pytest.raises(ConfigError, match="another target"):
+        generate(target, drafter, P1, max_tokens=2, prompt_cache=PromptCache(other, None))
+    with pytest.raises(ConfigError, match="another target"):
+        generate(target, drafter, P1, max_tokens=2, prompt_cache=PromptCache(target, None))
+    with pytest.raises(ConfigError, match="reserve 4"):
+        generate(target, drafter, P1, max_tokens=2, block_size=6, prompt_cache=PromptCache(target, drafter, reserve=4))
+
+
+def test_nbytes_counts_the_caches():
+    target = tiny_target("gemma3_text")
+    cache = PromptCache(target, tiny_drafter(target, "dflash2", block_size=4))
+    assert cache.nbytes == 0
+    _hot(target, cache.drafter, P1, cache)
+    kv = sum(c.keys.nbytes + c.values.nbytes for c in cache.target_cache)
+    assert cache.nbytes > kv > 0
+    cache.reset()
+    assert cache.nbytes == 0 and cache.tokens == []
+    mx.eval()
