@@ -63,7 +63,8 @@ class WindowKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         n_new = keys.shape[2]
         n_prev = self._rows_before_write(n_new)
-        if self.keys is None or n_prev != self.n_stored:
+        # A restored or cloned cache holds exactly its rows: no room means a new buffer too.
+        if self.keys is None or n_prev != self.n_stored or n_prev + n_new > self.keys.shape[2]:
             size = (n_prev + n_new + self.step - 1) // self.step * self.step + self.step
             B, n_kv, _, d_k = keys.shape
             new_k = mx.zeros((B, n_kv, size, d_k), keys.dtype)
@@ -241,3 +242,32 @@ def cache_nbytes(cache) -> int:
     if isinstance(cache, QuantizedKVCache):
         return sum(a.nbytes for part in (cache.keys, cache.values) for a in part)
     return cache.keys.nbytes + cache.values.nbytes
+
+
+def clone(cache):
+    """An independent copy of `cache` (sharing buffers until either one writes: MLX copies
+    on write into a buffer that something else still holds)."""
+    if isinstance(cache, WindowKVCache):
+        out = WindowKVCache(cache.window, cache.reserve)
+        if cache.keys is not None:
+            n = cache.n_stored
+            out.keys, out.values = cache.keys[..., :n, :], cache.values[..., :n, :]
+        out.offset, out.n_stored = cache.offset, cache.n_stored
+        return out
+    if isinstance(cache, ArraysCache):
+        out = type(cache)(len(cache.cache))
+        out.cache = list(cache.cache)  # the layers replace these arrays, never write into them
+        return out
+    if isinstance(cache, QuantizedKVCache):
+        out = QuantizedKVCache(cache.group_size, cache.bits)
+        if cache.keys is not None:
+            out.keys, out.values = (tuple(a[..., : cache.offset, :] for a in part) for part in (cache.keys, cache.values))
+        out.offset = cache.offset
+        return out
+    if isinstance(cache, KVCache):
+        out = KVCache()
+        if cache.keys is not None:
+            out.keys, out.values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
+        out.offset = cache.offset
+        return out
+    raise UnsupportedCacheError(f"cannot copy a {type(cache).__name__}")

@@ -70,3 +70,19 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} GB"
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str, what: str = "size") -> int:
+    """'2GiB', '512MB', '1.5G', '0' -> bytes; a ConfigError names the bad value."""
+    import re
+
+    from .errors import ConfigError
+
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"{what} must be a byte count like 2GiB, 512MB or 0, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .caches import RecurrentCache, WindowKVCache, cache_nbytes, can_trim, restore, snapshot
+from .caches import RecurrentCache, WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
 from .errors import ConfigError
 
 DEFAULT_RESERVE = 64  # tokens a window cache can drop exactly past its window (and the widest verify)
@@ -43,7 +43,8 @@ class _Mark:
     context: tuple | None
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids `a` and `b` share."""
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:
@@ -73,7 +74,17 @@ class PromptCache:
         self.target_cache = self.target.make_cache(reserve=self.reserve, kv_bits=self.kv_bits)
         self.context = self.drafter.begin(self.reserve) if self.drafter is not None else None
         self.tokens: list[int] = []
+        self.prompt_len = 0  # length of the last prompt it served
         self._mark: _Mark | None = None
+
+    def clone(self) -> "PromptCache":
+        """An independent copy: trimming or extending one leaves the other as it was."""
+        other = PromptCache.__new__(PromptCache)
+        other.__dict__.update(self.__dict__)
+        other.target_cache = [clone(c) for c in self.target_cache]
+        other.context = self.context.clone() if self.context is not None else None
+        other.tokens = list(self.tokens)
+        return other  # the mark's snapshots are shared: restoring one never writes into them
 
     # -- ownership ------------------------------------------------------------------------
 
@@ -92,26 +103,26 @@ class PromptCache:
     def reuse(self, ids: list[int]) -> Reuse:
         """Bring the caches to the longest prefix of `ids` they reach exactly (at least one
         token is left to feed, for its logits); the result says how many tokens that is."""
-        n_common = _common_prefix(self.tokens, ids)
+        n_common = common_prefix(self.tokens, ids)
         m = min(n_common, len(ids) - 1)
         if not self.tokens:
-            return self._done(Reuse(0, 0, "empty"))
+            return self._done(Reuse(0, 0, "empty"), len(ids))
         if m > 0 and self._can_trim(len(self.tokens) - m):
             self._trim(len(self.tokens) - m)
-            return self._done(Reuse(m, n_common, "trim"))
+            return self._done(Reuse(m, n_common, "trim"), len(ids))
         if m > 0 and self._mark is not None and self._mark.n <= m:
             self._restore_mark()
-            return self._done(Reuse(self._mark.n, n_common, "mark"))
+            return self._done(Reuse(self._mark.n, n_common, "mark"), len(ids))
         reason = None if m <= 0 else (f"the cache cannot drop {len(self.tokens) - m} tokens exactly "
                                       f"({self._blocker()}) and holds no snapshot at or before token {m}")
         self.reset()
-        return self._done(Reuse(0, n_common, "cold", reason))
+        return self._done(Reuse(0, n_common, "cold", reason), len(ids))
 
-    def _done(self, reuse: Reuse) -> Reuse:
+    def _done(self, reuse: Reuse, prompt_len: int) -> Reuse:
         if self._mark is not None and self._mark.n > reuse.n_cached:
             self._mark = None  # it covers tokens the caches no longer share
         self.tokens = self.tokens[: reuse.n_cached]
-        self.last_reuse = reuse
+        self.last_reuse, self.prompt_len = reuse, prompt_len
         return reuse
 
     def _can_trim(self, n: int) -> bool:

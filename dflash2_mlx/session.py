@@ -120,6 +120,15 @@ class Session:
             return self.drafter.config.block_size, self._policy
         return self.block_size or self.drafter.config.block_size, None
 
+    def prompt_cache(self):
+        """An empty `PromptCache` for this pair, wide enough for its verify blocks."""
+        from .prompt_cache import DEFAULT_RESERVE, PromptCache
+
+        width = 1 if self.drafter is None else self.drafter.config.block_size
+        if isinstance(self.block_size, int):
+            width = self.block_size
+        return PromptCache(self.target, self.drafter, reserve=max(DEFAULT_RESERVE, width))
+
     def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),
                system: str | None = None, raw: bool = False, think: bool | None = None, **engine):
         """Engine events for a prompt; `engine` passes on to `stream_generate` (e.g. `on_prefill`)."""

@@ -77,6 +77,29 @@ def test_a_window_cache_trims_only_the_rows_it_holds():
     assert can_trim(c, 3) and not can_trim(c, 4)  # 7 rows must stay for the window
 
 
+@pytest.mark.parametrize("kind", ["window", "kv"])
+def test_a_restored_or_cloned_cache_takes_new_rows(kind):
+    from mlx_lm.models.cache import KVCache
+
+    from dflash2_mlx.caches import WindowKVCache, clone, restore, snapshot
+
+    def make():
+        return WindowKVCache(window=8, reserve=4) if kind == "window" else KVCache()
+
+    rows = mx.arange(5 * 4, dtype=mx.float32).reshape(1, 1, 5, 4)
+    ref, c = make(), make()
+    for cache in (ref, c):
+        cache.update_and_fetch(rows, rows)
+    snap = snapshot(c)
+    c.update_and_fetch(rows + 100, rows + 100)
+    restore(c, snap)
+    copy = clone(c)
+    want = ref.update_and_fetch(rows + 7, rows + 7)[0]
+    for cache in (c, copy):  # each writes its own rows; the snapshot and the other stay whole
+        got = cache.update_and_fetch(rows + 7, rows + 7)[0]
+        assert mx.array_equal(got, want)
+
+
 def test_sampling_with_a_seed_is_the_same_cached_and_cold(target):
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     sampling = SamplingParams(temperature=0.9, top_k=20, seed=11)

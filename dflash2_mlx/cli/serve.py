@@ -82,6 +82,11 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=16,
                                                help="Prompt tokens per prefill step; a client that leaves "
                                                     "is noticed between steps.")] = 512,
+    prompt_cache_bytes: Annotated[str, typer.Option("--prompt-cache-bytes", metavar="SIZE",
+                                                    help="Memory for the prefix cache: the caches of recent "
+                                                         "conversations, so a request resending a history "
+                                                         "prefills only what is new (e.g. 4GiB, 512MB; 0 turns "
+                                                         "it off).")] = "2GiB",
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
@@ -89,6 +94,7 @@ def serve(
 ) -> None:
     from ..server import ServerConfig
     from ..server import serve as run_server
+    from ..paths import parse_bytes
     from ..server.dispatch import served_name
     from ..session import Session
 
@@ -96,6 +102,7 @@ def serve(
                           max_tokens_cap=max_tokens_cap, max_prompt_tokens=max_prompt_tokens,
                           default_temperature=temp, shutdown_timeout=shutdown_timeout, log_level=log_level,
                           max_connections=max_connections, read_timeout=read_timeout, prefill_chunk=prefill_chunk,
+                          prompt_cache_bytes=parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes"),
                           allowed_hosts=tuple(allowed_host or ()), cors_origins=tuple(cors_origin or ()))
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
         typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..caches import WindowKVCache, cache_nbytes, can_trim, restore, snapshot
+from ..caches import WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
 
 MAX_PENDING_PARTS = 32  # long plain stretches feed one row at a time: keep the list short
 
@@ -90,6 +90,12 @@ class DraftContext:
             for c in self.cache:
                 c.trim(-keep)
         self.n_tokens -= n
+
+    def clone(self) -> "DraftContext":
+        """An independent copy (see `caches.clone`)."""
+        other = DraftContext([clone(c) for c in self.cache], self.limit)
+        other.pending, other.n_tokens = list(self.pending), self.n_tokens
+        return other
 
     def snapshot(self) -> tuple:
         """What `restore` needs to come back to this state (window rows are copied: they are

@@ -109,7 +109,9 @@ def _tool_use(call) -> dict:
 
 
 def _usage(job: Job) -> dict:
-    return {"input_tokens": job.stats.prompt_n, "output_tokens": job.stats.predicted_n}
+    s = job.stats  # as Anthropic's prompt caching: input_tokens excludes the tokens read from the cache
+    return {"input_tokens": s.prompt_n - s.cached_tokens, "output_tokens": s.predicted_n,
+            "cache_read_input_tokens": s.cached_tokens, "cache_creation_input_tokens": 0}
 
 
 def _message(job: Job, state: ServerState, content: list, final: bool, calls=None) -> dict:

@@ -17,6 +17,7 @@ DEFAULT_SHUTDOWN_TIMEOUT = 10.0
 DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_READ_TIMEOUT = 15.0
 DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -45,6 +46,8 @@ class ServerConfig:
             guard); "*" accepts any.
         cors_origins: browser origins allowed by CORS ("*" for any); none by default.
         prefill_chunk: prompt tokens per prefill step; a cancel is seen between steps.
+        prompt_cache_bytes: bytes of reusable prompt caches kept between requests (the prefix
+            cache; 0 turns it off).
     """
 
     host: str = DEFAULT_HOST
@@ -63,6 +66,7 @@ class ServerConfig:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -87,6 +91,8 @@ class ServerConfig:
             raise ConfigError(f"--read-timeout must be > 0 seconds, got {self.read_timeout}")
         if self.prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
+        if self.prompt_cache_bytes < 0:
+            raise ConfigError(f"--prompt-cache-bytes must be >= 0, got {self.prompt_cache_bytes}")
         for origin in self.cors_origins:
             if origin != "*" and not origin.startswith(("http://", "https://")):
                 raise ConfigError(f"--cors-origin must be '*' or start with http:// or https://, got {origin!r}")

@@ -25,6 +25,7 @@ from ..errors import ConfigError, DFlashError
 from ..sampling import SamplingParams
 from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
 from .errors import APIError
+from .cache_pool import PromptCachePool
 from .metrics import Metrics
 from .worker import GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
 
@@ -86,9 +87,12 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     name = served_name(session)
     n_params, quantization = model_facts(session.target.model)
     drafter = getattr(session.spec, "drafter", None) if session.drafter is not None else None
-    metrics = Metrics({"model": name, "drafter": str(drafter or "none"), "version": __version__})
+    pool = PromptCachePool(session.prompt_cache, config.prompt_cache_bytes)
+    metrics = Metrics({"model": name, "drafter": str(drafter or "none"), "version": __version__}, prompt_caches=pool)
+    worker = GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk,
+                              pool if pool.enabled else None)
     return ServerState(
-        session=session, config=config, worker=GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk),
+        session=session, config=config, worker=worker,
         metrics=metrics, model_name=name, aliases=frozenset({name, *extra_aliases}),
         max_prompt_tokens=min(config.max_prompt_tokens or context_length(session), context_length(session)),
         context_window=context_length(session),

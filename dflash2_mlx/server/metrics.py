@@ -35,8 +35,9 @@ def _number(value: float) -> str:
 class Metrics:
     """Counters for requests, tokens, speculation (τ) and the queue."""
 
-    def __init__(self, info: dict | None = None):
+    def __init__(self, info: dict | None = None, prompt_caches=None):
         self._lock = threading.Lock()
+        self.prompt_caches = prompt_caches  # a PromptCachePool, whose own counters are read at render
         self.info = dict(info or {})
         self.started = time.time()
         self.responses: Counter = Counter()
@@ -119,6 +120,8 @@ class Metrics:
         """The Prometheus text exposition of every metric."""
         with self._lock:
             rows = self._rows()
+        if self.prompt_caches is not None:
+            rows += _pool_rows(self.prompt_caches.snapshot())
         out = []
         for name, kind, help_text, samples in rows:
             out.append(f"# HELP {name} {help_text}")
@@ -165,6 +168,20 @@ class Metrics:
              "Most cycles any cancelled job ran after its cancel (should be <= 1).",
              [({}, self.max_events_after_cancel)]),
         ]
+
+
+def _pool_rows(s) -> list:
+    return [
+        ("dflash2_prompt_cache_hits_total", "counter", "Requests that reused a cached prompt prefix.",
+         [({}, s.hits)]),
+        ("dflash2_prompt_cache_misses_total", "counter", "Requests whose prompt was prefilled cold.", [({}, s.misses)]),
+        ("dflash2_prompt_cache_evictions_total", "counter", "Prompt caches evicted to fit --prompt-cache-bytes.",
+         [({}, s.evictions)]),
+        ("dflash2_prompt_cache_tokens_total", "counter", "Prompt tokens supplied by the prompt cache.",
+         [({}, s.cached_tokens)]),
+        ("dflash2_prompt_cache_bytes", "gauge", "Bytes held by idle prompt caches.", [({}, s.bytes)]),
+        ("dflash2_prompt_cache_entries", "gauge", "Idle prompt caches held.", [({}, s.entries)]),
+    ]
 
 
 def parse(text: str) -> dict:

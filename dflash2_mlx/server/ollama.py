@@ -41,7 +41,7 @@ def _done_fields(job: Job, started: float, finish: str | None) -> dict:
         "done_reason": finish or s.finish_reason or "stop",
         "total_duration": int((time.perf_counter() - started) * 1e9),
         "load_duration": 0,
-        "prompt_eval_count": s.prompt_n,
+        "prompt_eval_count": s.prompt_n,  # the whole prompt; timings.cache_n says how much came cached
         "prompt_eval_duration": int(prompt_ms * 1e6),
         "eval_count": s.predicted_n,
         "eval_duration": int(eval_ms * 1e6),

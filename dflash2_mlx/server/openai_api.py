@@ -29,7 +29,8 @@ FINGERPRINT = f"dflash2-{__version__}"
 def _usage(job: Job) -> dict:
     s = job.stats
     return {"prompt_tokens": s.prompt_n, "completion_tokens": s.predicted_n,
-            "total_tokens": s.prompt_n + s.predicted_n}
+            "total_tokens": s.prompt_n + s.predicted_n,
+            "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
 
 def _head(job: Job, state: ServerState, kind: str, created: int) -> dict:

@@ -66,12 +66,14 @@ class JobStats:
     started_at: float | None = None
     first_token_at: float | None = None
     stop_sequence: str | None = None
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
 
     def observe(self, event, now: float | None = None) -> None:
         """Fold one `GenerationEvent`, seen at `now` (perf_counter), into the totals."""
         now = time.perf_counter() if now is None else now
         self.n_events += 1
         self.prompt_n = event.prompt_tokens
+        self.cached_tokens = event.cached_tokens
         if self.first_token_at is None:
             self.first_token_at = now
             self.prompt_ms = 1e3 * (now - (self.started_at if self.started_at is not None else now))
@@ -112,6 +114,7 @@ class JobStats:
         timed = self.predicted_n - 1
         return {
             "prompt_n": self.prompt_n,
+            "cache_n": self.cached_tokens,
             "prompt_ms": round(self.prompt_ms, 3),
             "prompt_per_token_ms": round(self.prompt_ms / self.prompt_n, 3) if self.prompt_n else 0.0,
             "prompt_per_second": round(1e3 * self.prompt_n / self.prompt_ms, 3) if self.prompt_ms else 0.0,
@@ -193,10 +196,12 @@ class GenerationWorker:
         session: an open `Session`; only this thread calls into it.
         capacity: most jobs admitted at once (running included).
         metrics: a `Metrics` told about each job's start and end (optional).
+        prompt_caches: a `PromptCachePool` (the prefix cache), or None for cold prompts.
     """
 
-    def __init__(self, session, capacity: int, metrics=None, prefill_chunk: int = 512):
+    def __init__(self, session, capacity: int, metrics=None, prefill_chunk: int = 512, prompt_caches=None):
         self.session = session
+        self.prompt_caches = prompt_caches
         self.capacity = capacity
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
@@ -322,11 +327,12 @@ class GenerationWorker:
         stats.queued_ms = 1e3 * (stats.started_at - job.submitted_at)
         if self.metrics is not None:
             self.metrics.job_started(job)
+        cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
         try:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
                                          top_logprobs=job.top_logprobs, constraint=job.constraint,
-                                         prefill_step_size=self.prefill_chunk)
+                                         prefill_step_size=self.prefill_chunk, prompt_cache=cache)
             try:
                 for event in events:
                     stats.observe(event)
@@ -349,5 +355,7 @@ class GenerationWorker:
             else:
                 job.post(Finished(stats))
         finally:
+            if self.prompt_caches is not None:
+                self.prompt_caches.checkin(cache)
             if self.metrics is not None:
                 self.metrics.job_ended(job)
