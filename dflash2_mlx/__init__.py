@@ -3,8 +3,10 @@
 Public API:
     load_target(path_or_repo) -> Target
     load_drafter(path_or_repo, target) -> Drafter
-    stream_generate(target, drafter | None, prompt, **sampling) -> iterator of GenerationEvent
-    generate(target, drafter | None, prompt, **sampling) -> GenerationResult
+    stream_generate(target, prompt, max_tokens, *, drafter=None, sampling=None, prompt_cache=None, ...)
+        -> iterator of GenerationEvent; prompt: chat messages, raw text or token ids (chat.py)
+    generate(...) -> GenerationResult (same arguments)
+    PromptCache(target, drafter) -> a reusable cache for multi-turn generation
 """
 
 from ._version import __version__
@@ -13,7 +15,7 @@ from ._version import __version__
 _EXPORTS = {
     "load_target": ".target", "Target": ".target", "load_drafter": ".drafter.load",
     "stream_generate": ".engine", "generate": ".engine", "GenerationEvent": ".engine",
-    "GenerationResult": ".engine", "SamplingParams": ".sampling",
+    "GenerationResult": ".engine", "SamplingParams": ".sampling", "PromptCache": ".prompt_cache",
 }
 
 __all__ = ["__version__", *_EXPORTS]

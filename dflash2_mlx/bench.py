@@ -13,7 +13,7 @@ Rules that keep the numbers honest:
 
 Per run: prompt tok/s (prefill), time to first token, decode tok/s (tokens after the first,
 over the time after the first), τ, the cycle log, peak memory. The arithmetic over cycle logs
-(`pooled_tau`, `pooled_acceptance`) and the loop detector are pure functions.
+(`stats.py`) and the loop detector are pure functions.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
+from . import stats
 from .engine import CycleStats, stream_generate
 from .errors import ConfigError
 from .prompts import Prompt, SuitePrompts
@@ -39,45 +40,7 @@ SCHEMA = "dflash2.bench/1"
 MIN_CYCLES = 10  # plotted acceptance from fewer cycles is drawn faded
 
 
-# -- cycle-log arithmetic ---------------------------------------------------------------
-
-
-def speculative(cycles: Iterable) -> list:
-    return [c for c in cycles if c.n_drafted > 0]
-
-
-def pooled_tau(cycles: Iterable) -> float | None:
-    """Mean tokens per speculative cycle, bonus included; None without speculative cycles."""
-    spec = speculative(cycles)
-    return sum(c.n_accepted + 1 for c in spec) / len(spec) if spec else None
-
-
-def pooled_acceptance(cycles: Iterable) -> list[tuple[int, int]]:
-    """(accepted, reached) per block position i = 1..max drafted, pooled over all cycles.
-
-    Position i is reached when at least i drafts were proposed and the i - 1 before it were
-    accepted; its conditional acceptance is accepted / reached (the blog's Figure 5).
-    """
-    spec = speculative(cycles)
-    depth = max((c.n_drafted for c in spec), default=0)
-    out = []
-    for i in range(depth):
-        reached = [c for c in spec if c.n_drafted > i and c.n_accepted >= i]
-        out.append((sum(c.n_accepted > i for c in reached), len(reached)))
-    return out
-
-
-def rates(counts: list[tuple[int, int]]) -> list[float | None]:
-    return [a / r if r else None for a, r in counts]
-
-
-def accepted_histogram(cycles: Iterable) -> list[int]:
-    """Speculative cycles by number of accepted drafts (index = n accepted)."""
-    spec = speculative(cycles)
-    hist = [0] * (max((c.n_drafted for c in spec), default=0) + 1)
-    for c in spec:
-        hist[c.n_accepted] += 1
-    return hist
+# -- loops ------------------------------------------------------------------------------
 
 
 def loop_period(tokens: list[int], window: int = LOOP_WINDOW, max_period: int = LOOP_MAX_PERIOD) -> int | None:
@@ -225,7 +188,7 @@ class RunRecord:
 
     @property
     def tau(self) -> float | None:
-        return pooled_tau(self.cycle_stats())
+        return stats.tau(self.cycle_stats(), empty=None)
 
     def cycle_stats(self) -> list[CycleStats]:
         return [CycleStats(*c) for c in self.cycles]
@@ -284,7 +247,7 @@ def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: Samp
     tokens, cycles, text, last = [], [], [], None
     t0 = time.perf_counter()
     t_first = None
-    for ev in stream_generate(target, mode.drafter, ids, max_tokens=max_tokens, sampling=sampling,
+    for ev in stream_generate(target, ids, drafter=mode.drafter, max_tokens=max_tokens, sampling=sampling,
                               block_size=mode.width(), block_policy=policy):
         if t_first is None:
             t_first = time.perf_counter()
@@ -363,7 +326,7 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
         decode_tokens = sum(r.n_tokens - 1 for r in runs)
         decode_s = sum(r.decode_s for r in runs)
         prefill_s = sum(r.n_prompt_tokens / r.prompt_tps for r in runs if r.prompt_tps > 0)
-        spec = speculative(cycles)
+        spec = stats.speculative(cycles)
         out[mode] = {
             "n_runs": len(runs),
             "n_prompt_tokens": sum(r.n_prompt_tokens for r in runs),
@@ -372,10 +335,10 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
             "ttft_s": sum(r.ttft_s for r in runs) / len(runs),
             "decode_tps": decode_tokens / decode_s if decode_s > 0 else None,
             "e2e_tps": sum(r.n_tokens for r in runs) / sum(r.total_s for r in runs),
-            "tau": pooled_tau(cycles),
-            "acceptance_by_position": rates(pooled_acceptance(cycles)),
-            "acceptance_counts": pooled_acceptance(cycles),
-            "accepted_histogram": accepted_histogram(cycles),
+            "tau": stats.tau(cycles, empty=None),
+            "acceptance_by_position": stats.rates(stats.acceptance_counts(cycles)),
+            "acceptance_counts": stats.acceptance_counts(cycles),
+            "accepted_histogram": stats.accepted_histogram(cycles),
             "mean_width": sum(c.width for c in spec) / len(spec) if spec else 1.0,
             "plain_steps": sum(1 for c in cycles if c.n_drafted == 0),
             "n_speculative_cycles": len(spec),

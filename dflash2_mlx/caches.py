@@ -19,6 +19,8 @@ batched computation, the cache of a model that was only ever fed the kept tokens
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 from mlx_lm.models.cache import (
     ArraysCache,
@@ -123,6 +125,18 @@ class WindowKVCache(_BaseCache):
         return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
 
 
+@dataclass(slots=True)
+class Tape:
+    """What the wrappers of one recurrent layer record during an armed verify pass (recurrent.py)."""
+
+    replay: tuple | None = None  # (block input, mask): the generic MixerReplay re-runs the module
+    inputs: mx.array | None = None  # GatedDeltaNet: the block input
+    mask: object = None
+    conv_input: mx.array | None = None  # the depthwise conv's input, state rows included
+    a: mx.array | None = None  # the gate projections' outputs
+    b: mx.array | None = None
+
+
 class RecurrentCache(ArraysCache):
     """ArraysCache with a checkpoint and a tape for exact rollback after a verify pass.
 
@@ -134,11 +148,11 @@ class RecurrentCache(ArraysCache):
     def __init__(self, size: int):
         super().__init__(size)
         self.checkpoint: list | None = None
-        self.tape: dict | None = None
+        self.tape: Tape | None = None
 
     def arm(self) -> None:
         self.checkpoint = list(self.cache)
-        self.tape = {}
+        self.tape = Tape()
 
     def disarm(self) -> None:
         self.checkpoint = None

@@ -196,13 +196,13 @@ class DiagnoseReport:
     def stats(self, suite: str | None = None) -> dict:
         chosen = [p for p in self.prompts if suite is None or p.suite == suite]
         out = position_stats([r for p in chosen for r in p.records], self.settings["top_k"])
-        from .bench import pooled_acceptance, pooled_tau, rates
+        from . import stats
         from .engine import CycleStats
 
         cycles = [CycleStats(*c) for p in chosen for c in p.actual_cycles]
         if out.get("n_anchors"):
-            out["tau"]["actual"] = pooled_tau(cycles)
-            out["conditional_acceptance"]["actual"] = rates(pooled_acceptance(cycles))
+            out["tau"]["actual"] = stats.tau(cycles, empty=None)
+            out["conditional_acceptance"]["actual"] = stats.rates(stats.acceptance_counts(cycles))
         out["n_prompts"] = len(chosen)
         out["actual_mismatches"] = sum(p.actual_matches_truth is False for p in chosen)
         return out
@@ -226,11 +226,11 @@ def diagnose_prompt(target, drafter, prompt: Prompt, ids: list[int], max_tokens:
     """Ground truth by plain greedy decoding, the teacher-forced anchors, and the real run."""
     from .engine import generate
 
-    truth = generate(target, None, ids, max_tokens=max_tokens).tokens
+    truth = generate(target, ids, max_tokens=max_tokens).tokens
     records = collect_anchors(target, drafter, ids + truth, len(ids), block_size, stride, top_k)
     out = PromptDiagnosis(prompt.suite, prompt.id, len(ids), len(truth), records)
     if actual:
-        run = generate(target, drafter, ids, max_tokens=max_tokens, block_size=block_size)
+        run = generate(target, ids, drafter=drafter, max_tokens=max_tokens, block_size=block_size)
         out.actual_cycles = [[c.width, c.n_drafted, c.n_accepted, c.n_emitted, c.draft_s, c.verify_s]
                              for c in run.cycles]
         out.actual_matches_truth = run.tokens == truth

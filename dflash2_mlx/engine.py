@@ -3,15 +3,18 @@
 One generator drives both plain autoregressive decoding (`drafter=None`, or a cycle of width
 1) and speculative decoding, so they share every line that picks tokens. Each cycle:
 
-1. `_propose`: the drafter, fed the target states of the tokens committed since its last
-   call, drafts `width - 1` tokens after the anchor (the last committed token).
-2. `_verify`: the target runs once over `[anchor, d_1..d_{w-1}]`; greedy prefix acceptance or
+1. draft: the drafter, whose `DraftContext` holds the target states of the tokens committed
+   since its last call, drafts `width - 1` tokens after the anchor (the last committed token).
+2. verify: the target runs once over `[anchor, d_1..d_{w-1}]`; greedy prefix acceptance or
    rejection sampling picks `n` drafts and the next token.
-3. `_commit`: caches keep the anchor and the `n` accepted drafts; their target states become
-   the drafter's next context; emitted = accepted drafts + the next token.
+3. commit: caches keep the anchor and the `n` accepted drafts; their target states are fed to
+   the drafter's context; emitted = accepted drafts + the next token.
 
 State is explicit in `_Run` (caches, RNG key, history); nothing is stored on the models.
 A proposed token equal to the drafter's mask id is an ordinary token.
+
+Glossary: *width* (the `block_size` argument, `CycleStats.width`) is the verify block, the
+anchor plus `width - 1` drafts; *τ* is tokens emitted per speculative cycle (`stats.tau`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from . import stats
+from .chat import encode_prompt
 from .errors import ConfigError
 from .sampling import SamplingParams, make_processors, process_rows, target_probs
 from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
@@ -88,31 +93,20 @@ class GenerationResult:
 
     @property
     def speculative_cycles(self) -> list[CycleStats]:
-        return [c for c in self.cycles if c.n_drafted > 0]
+        return stats.speculative(self.cycles)
 
     @property
     def tau(self) -> float:
         """Mean tokens per speculative cycle, bonus included (τ ∈ [1, block size])."""
-        spec = self.speculative_cycles
-        return sum(c.n_accepted + 1 for c in spec) / len(spec) if spec else 1.0
+        return stats.tau(self.cycles)
 
     def acceptance_by_position(self) -> list[float]:
         """P(draft i accepted | drafts before it accepted), for i = 1..max drafted."""
-        spec = self.speculative_cycles
-        depth = max((c.n_drafted for c in spec), default=0)
-        out = []
-        for i in range(depth):
-            reached = [c for c in spec if c.n_drafted > i and c.n_accepted >= i]
-            out.append(sum(c.n_accepted > i for c in reached) / len(reached) if reached else 0.0)
-        return out
+        return stats.acceptance_by_position(self.cycles)
 
     def accepted_histogram(self) -> list[int]:
         """Count of speculative cycles by number of accepted drafts (index = n accepted)."""
-        spec = self.speculative_cycles
-        hist = [0] * (max((c.n_drafted for c in spec), default=0) + 1)
-        for c in spec:
-            hist[c.n_accepted] += 1
-        return hist
+        return stats.accepted_histogram(self.cycles)
 
 
 @dataclass
@@ -163,15 +157,6 @@ def peak_memory_gb() -> float:
 
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
-
-
-def _encode(target, prompt) -> list[int]:
-    if isinstance(prompt, str):
-        tok = target.tokenizer
-        bos = getattr(tok, "bos_token", None)
-        return tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
-    ids = [int(t) for t in (prompt.tolist() if isinstance(prompt, mx.array) else prompt)]
-    return ids
 
 
 def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: int) -> None:
@@ -391,20 +376,23 @@ class _Stopper:
         return out
 
 
-def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKENS,
-                    sampling: SamplingParams | None = None, block_size: int | None = None,
-                    stop: list[str] | tuple = (), prefill_step_size: int = DEFAULT_PREFILL_STEP,
-                    block_policy=None, kv_bits: int | None = None, on_prefill=None, pipelined: bool = True,
-                    top_logprobs: int | None = None, overlap: bool | None = None, constraint=None,
-                    prompt_cache=None):
+def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, drafter=None,
+                    sampling: SamplingParams | None = None, prompt_cache=None, block_size: int | None = None,
+                    stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
+                    prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy=None, kv_bits: int | None = None,
+                    on_prefill=None, pipelined: bool = True, top_logprobs: int | None = None,
+                    overlap: bool | None = None, constraint=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
         target: a `Target`.
-        drafter: a `Drafter` bound to `target`, or None for plain autoregressive decoding.
-        prompt: text (tokenized with BOS as mlx-lm does), a list of ids, or an mx.array.
+        prompt: chat messages (`[{"role": "user", "content": ...}]`, rendered by the chat
+            template, as `dflash2 run` does), raw text (tokenized with BOS as mlx-lm does), or
+            token ids (a list or an mx.array); see `chat.py`.
         max_tokens: the most tokens to generate (default 256).
+        drafter: a `Drafter` bound to `target`, or None (default) for plain decoding.
         sampling: `SamplingParams` (default greedy).
+        chat_template_kwargs: variables for the chat template (e.g. `enable_thinking`, `tools`).
         block_size: verify width (drafts + 1); default the drafter's trained block size.
         stop: strings that end generation (not included in the text).
         prefill_step_size: prompt chunk size (default 2048).
@@ -428,8 +416,11 @@ def stream_generate(target, drafter, prompt, max_tokens: int = DEFAULT_MAX_TOKEN
             longest prefix of the prompt it reaches exactly and leaves it covering prompt and
             reply (events report `cached_tokens`). Output equals a cold run's.
     """
+    if prompt is None or hasattr(prompt, "draft"):
+        raise TypeError("stream_generate(target, prompt, max_tokens, *, drafter=...): the drafter is a "
+                        "keyword argument (it was the second positional one before the v2 API)")
     params = sampling or SamplingParams()
-    ids = _encode(target, prompt)
+    ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
     _check_args(target, drafter, ids, max_tokens, width)
     seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -564,6 +555,6 @@ def collect(events, on_text=None) -> GenerationResult:
     )
 
 
-def generate(target, drafter, prompt, **kwargs) -> GenerationResult:
-    """Run `stream_generate` to the end and collect a `GenerationResult`."""
-    return collect(stream_generate(target, drafter, prompt, **kwargs))
+def generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, **kwargs) -> GenerationResult:
+    """Run `stream_generate` to the end and collect a `GenerationResult` (same arguments)."""
+    return collect(stream_generate(target, prompt, max_tokens, **kwargs))

@@ -444,6 +444,23 @@ def locate(model: str | None, drafter: str | None = None) -> tuple[str, Location
 # -- the entry point ----------------------------------------------------------------------
 
 
+def target_dir(ref: str, progress: bool = True) -> Path:
+    """A target's local directory for any MODEL value but None: alias, directory, .gguf, repo id
+    (what `load_target` and the CLI share)."""
+    registry = load_registry()
+    alias = registry.find(ref)
+    if alias is not None:
+        return Path(_registry_target(alias, registry.models[alias], progress)[0])
+    return Path(resolve_target(ref, registry, progress)[0])
+
+
+def alias_defaults(ref: str) -> dict:
+    """The registry's defaults (dtype, block size, ...) for an alias; {} for anything else."""
+    registry = load_registry()
+    alias = registry.find(ref)
+    return dict(registry.models[alias].get("defaults", {})) if alias is not None else {}
+
+
 def resolve(model: str | None, drafter: str | None = None, *, progress: bool = True) -> ModelSpec:
     """Turn MODEL and --drafter values into local paths (downloading or converting as needed).
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import RecurrentCache
+from .caches import RecurrentCache, Tape
 
 
 class _Sink:
     """A mutable slot shared by a wrapper and its child tap (not an MLX parameter)."""
 
     def __init__(self):
-        self.tape: dict | None = None
+        self.tape: Tape | None = None
 
 
 def _armed(cache) -> bool:
@@ -75,11 +75,11 @@ class MixerReplay(_Wrapper):
     def __call__(self, *args, **kwargs):
         x, mask, cache = _split_call(args, kwargs)
         if _armed(cache):
-            cache.tape["replay"] = (x, mask)
+            cache.tape.replay = (x, mask)
         return self.inner(*args, **kwargs)
 
     def replay(self, cache: RecurrentCache, n: int) -> None:
-        x, mask = cache.tape["replay"]
+        x, mask = cache.tape.replay
         cache.restore()
         out = self.inner(x[:, :n], _slice_mask(mask, n, x.shape[1]), cache)
         del out
@@ -97,7 +97,7 @@ class _Tap(_Wrapper):
     def __call__(self, x):
         y = self.inner(x)
         if self.sink.tape is not None:
-            self.sink.tape[self.key] = y if self.output else x
+            setattr(self.sink.tape, self.key, y if self.output else x)
         return y
 
 
@@ -115,8 +115,8 @@ class GatedDeltaReplay(_Wrapper):
     def __call__(self, inputs, mask=None, cache=None):
         if not _armed(cache):
             return self.inner(inputs, mask, cache)
-        cache.tape["inputs"] = inputs
-        cache.tape["mask"] = mask
+        cache.tape.inputs = inputs
+        cache.tape.mask = mask
         self.sink.tape = cache.tape
         try:
             return self.inner(inputs, mask, cache)
@@ -131,9 +131,9 @@ class GatedDeltaReplay(_Wrapper):
             return
         gdn = self.inner
         tape = cache.tape
-        inputs, mask = tape["inputs"], tape["mask"]
+        inputs, mask = tape.inputs, tape.mask
         L = inputs.shape[1]
-        conv_input = tape["conv_input"][:, : gdn.conv_kernel_size - 1 + n]
+        conv_input = tape.conv_input[:, : gdn.conv_kernel_size - 1 + n]
         q, k, v = _split_qkv(gdn, nn.silu(gdn.conv1d.inner(conv_input)), n)
         prefix = inputs[:, :n]
         _, state = gated_delta_update(
@@ -173,10 +173,10 @@ def _stack_key(replayer: nn.Module, cache: RecurrentCache):
     if not isinstance(replayer, GatedDeltaReplay):
         return None
     gdn, tape = replayer.inner, cache.tape
-    mask, state = tape["mask"], cache.checkpoint[1]
+    mask, state = tape.mask, cache.checkpoint[1]
     if mask is not None and (isinstance(mask, str) or mask.ndim != 2):
         return None
-    arrays = (tape["conv_input"], tape["a"], tape["b"], gdn.conv1d.inner.weight, gdn.A_log, gdn.dt_bias,
+    arrays = (tape.conv_input, tape.a, tape.b, gdn.conv1d.inner.weight, gdn.A_log, gdn.dt_bias,
               mask, state)
     dims = (gdn.num_k_heads, gdn.num_v_heads, gdn.head_k_dim, gdn.head_v_dim, gdn.training)
     return dims + tuple(None if a is None else (a.shape, a.dtype) for a in arrays)
@@ -203,8 +203,8 @@ def replay_stacked(pairs: list, n: int) -> None:
         return
     gdns, tapes = [r.inner for r, _ in pairs], [c.tape for _, c in pairs]
     first, S = gdns[0], len(pairs)
-    B, _, C = tapes[0]["conv_input"].shape
-    conv_in = [t["conv_input"][:, : first.conv_kernel_size - 1 + n] for t in tapes]
+    B, _, C = tapes[0].conv_input.shape
+    conv_in = [t.conv_input[:, : first.conv_kernel_size - 1 + n] for t in tapes]
     weight = mx.concatenate([g.conv1d.inner.weight for g in gdns])
     conv_out = nn.silu(mx.conv1d(mx.concatenate(conv_in, axis=-1), weight, groups=S * C))
     conv_out = conv_out.reshape(B, n, S, C).transpose(2, 0, 1, 3).reshape(S * B, n, C)
@@ -214,17 +214,17 @@ def replay_stacked(pairs: list, n: int) -> None:
         return mx.repeat(mx.stack(params), B, axis=0)[:, None]
 
     states = [c.checkpoint[1] for _, c in pairs]
-    mask = tapes[0]["mask"]
+    mask = tapes[0].mask
     _, state = gated_delta_update(
         q,
         k,
         v,
-        _stack([t["a"][:, :n] for t in tapes]),
-        _stack([t["b"][:, :n] for t in tapes]),
+        _stack([t.a[:, :n] for t in tapes]),
+        _stack([t.b[:, :n] for t in tapes]),
         per_layer([g.A_log for g in gdns]),
         per_layer([g.dt_bias for g in gdns]),
         None if states[0] is None else _stack(states),
-        None if mask is None else _stack([t["mask"][:, :n] for t in tapes]),
+        None if mask is None else _stack([t.mask[:, :n] for t in tapes]),
         use_kernel=not first.training,
     )
     state = state.reshape(S, B, *state.shape[1:])

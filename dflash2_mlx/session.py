@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .chat import encode_prompt
 from .engine import GenerationResult, collect, stream_generate
 from .errors import ConfigError
 from .sampling import SamplingParams
@@ -68,19 +69,12 @@ class Session:
         chat-template variables (`think` is `enable_thinking`)."""
         tok = self.target.tokenizer
         if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
-            bos = getattr(tok, "bos_token", None)
-            return tok.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos))
+            return encode_prompt(tok, prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if system and not any(m.get("role") == "system" for m in messages):
-            messages.insert(0, {"role": "system", "content": system})
-        if not getattr(tok, "chat_template", None):
-            # No template (base models): a plain transcript, as mlx-lm's server does.
-            text = "\n".join(f"{m['role']}: {m['content']}" for m in messages) + "\nassistant:"
-            return tok.encode(text)
         kwargs = dict(template or {})
         if think is not None:
             kwargs["enable_thinking"] = think
-        return tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return encode_prompt(tok, messages, system=system, chat_template_kwargs=kwargs)
 
     def sampling(self, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  **kw) -> SamplingParams:
@@ -135,7 +129,7 @@ class Session:
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, system=system, raw=raw, think=think)
         width, policy = self._width_and_policy()
-        return stream_generate(self.target, self.drafter, ids, max_tokens=max_tokens, sampling=sampling,
+        return stream_generate(self.target, ids, max_tokens, drafter=self.drafter, sampling=sampling,
                                block_size=width, stop=stop, block_policy=policy, **engine)
 
     def generate(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),

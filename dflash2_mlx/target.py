@@ -374,7 +374,9 @@ def _cast(model: nn.Module, dtype) -> None:
 
 def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_replay: bool = True,
                 stacked_replay: bool = True) -> Target:
-    """Load an mlx-lm model directory or Hugging Face repo as a `Target`.
+    """Load a target: an alias (`dflash2 models`), an mlx-lm model directory, a .gguf file or a
+    Hugging Face repo id, resolved as the CLI's MODEL is (`hub.target_dir`). An alias brings
+    its registry defaults (e.g. the demo's float32), as `dflash2 run` applies them.
 
     Args:
         dtype: cast floating weights ("float32", "bfloat16", "float16") except those the
@@ -382,7 +384,10 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
     """
     from mlx_lm import load
 
-    model, tokenizer = load(str(path_or_repo))
+    from .hub import alias_defaults, target_dir
+
+    dtype = dtype or alias_defaults(str(path_or_repo)).get("dtype")
+    model, tokenizer = load(str(target_dir(str(path_or_repo))))
     if dtype is not None:
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")

@@ -10,16 +10,13 @@ from dflash2_mlx.bench import (
     BenchReport,
     Mode,
     RunRecord,
-    accepted_histogram,
     loop_period,
     parse_modes,
     plot_acceptance,
-    pooled_acceptance,
-    pooled_tau,
-    rates,
     run_bench,
     summarize,
 )
+from dflash2_mlx.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 from dflash2_mlx.engine import CycleStats
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompts import Prompt, SuitePrompts
@@ -34,29 +31,36 @@ HAND_LOG = [cycle(4, 3, 3), cycle(4, 3, 0), cycle(1, 0, 0), cycle(4, 3, 1), cycl
 
 def test_tau_and_position_acceptance_by_hand():
     # τ over the four speculative cycles: (4 + 1 + 2 + 3) / 4; the plain step does not count.
-    assert pooled_tau(HAND_LOG) == pytest.approx(2.5)
+    assert tau(HAND_LOG) == pytest.approx(2.5)
     # position 1: all 4 reached, 3 accepted; position 2: reached by the cycles with >= 2 drafts
     # and position 1 accepted (3/3/1 -> n_acc 3, 1, 2), accepted by n_acc >= 2 (2 of them);
     # position 3: needs 3 drafts and n_acc >= 2 -> only the first cycle, accepted.
-    assert pooled_acceptance(HAND_LOG) == [(3, 4), (2, 3), (1, 1)]
-    assert rates(pooled_acceptance(HAND_LOG)) == pytest.approx([0.75, 2 / 3, 1.0])
+    assert acceptance_counts(HAND_LOG) == [(3, 4), (2, 3), (1, 1)]
+    assert rates(acceptance_counts(HAND_LOG)) == pytest.approx([0.75, 2 / 3, 1.0])
+    assert acceptance_by_position(HAND_LOG) == pytest.approx([0.75, 2 / 3, 1.0])
     assert accepted_histogram(HAND_LOG) == [1, 1, 1, 1]
-    assert pooled_tau([cycle(1, 0, 0)]) is None and pooled_acceptance([]) == []
+    assert tau([cycle(1, 0, 0)], empty=None) is None and tau([]) == 1.0 and acceptance_counts([]) == []
     assert rates([(0, 0), (1, 2)]) == [None, 0.5]
 
 
-def test_pooled_figures_equal_the_engine_result_figures():
-    from dflash2_mlx.engine import GenerationResult
+def test_the_servers_running_counts_give_the_same_tau():
+    from types import SimpleNamespace
+
+    from dflash2_mlx.server.metrics import Metrics
+    from dflash2_mlx.server.worker import JobStats
 
     rng = random.Random(0)
     log = []
     for _ in range(300):
         width = rng.choice([1, 2, 4, 8])
         log.append(cycle(width, width - 1, rng.randint(0, width - 1)) if width > 1 else cycle(1, 0, 0))
-    result = GenerationResult("", [], None, 1, 1.0, 1.0, 0.0, cycles=log)
-    assert pooled_tau(log) == pytest.approx(result.tau)
-    assert rates(pooled_acceptance(log)) == pytest.approx(result.acceptance_by_position())
-    assert accepted_histogram(log) == result.accepted_histogram()
+    job = JobStats()
+    for c in log:
+        job.observe(SimpleNamespace(prompt_tokens=3, generation_tokens=1, finish_reason=None, stop_sequence=None,
+                                    cycle=c, cached_tokens=0))
+    metrics = Metrics()
+    metrics.job_ended(SimpleNamespace(id="x", stats=job))
+    assert job.tokens_per_cycle == pytest.approx(tau(log)) == pytest.approx(metrics.tokens_per_cycle())
 
 
 @pytest.mark.parametrize("period", [1, 2, 7, 32])

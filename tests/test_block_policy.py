@@ -215,8 +215,8 @@ def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
     again = bp.auto_policy(target, drafter, cache_dir=tmp_path)
     assert again.costs == policy.costs
     prompt = [1, 40, 41, 42, 7, 19]
-    plain = generate(target, None, prompt, max_tokens=40).tokens
-    result = generate(target, drafter, prompt, max_tokens=40, block_size=6, block_policy=again)
+    plain = generate(target, prompt, max_tokens=40).tokens
+    result = generate(target, prompt, drafter=drafter, max_tokens=40, block_size=6, block_policy=again)
     assert result.tokens == plain
     assert [c.width for c in result.cycles] == again.trace.widths[: len(result.cycles)]
 
@@ -228,8 +228,8 @@ def test_fixed_policy_is_the_engine_without_a_policy():
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, "dflash", block_size=5)
     prompt = [1, 9, 8, 7, 6]
-    a = generate(target, drafter, prompt, max_tokens=30, block_size=5)
-    b = generate(target, drafter, prompt, max_tokens=30, block_size=5, block_policy=FixedBlockPolicy(5))
+    a = generate(target, prompt, drafter=drafter, max_tokens=30, block_size=5)
+    b = generate(target, prompt, drafter=drafter, max_tokens=30, block_size=5, block_policy=FixedBlockPolicy(5))
     assert a.tokens == b.tokens
     assert [(c.width, c.n_accepted) for c in a.cycles] == [(c.width, c.n_accepted) for c in b.cycles]
 

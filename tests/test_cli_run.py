@@ -64,6 +64,13 @@ def test_demo_pair_runs_offline_and_speculation_matches_plain_decoding():
     assert default["drafter"] is not None and plain["drafter"] is None
     assert default["text"] == plain["text"]
     assert default["text"].strip() == text.stdout.strip()
+    # the README's library example: the same names, chat messages, the same text
+    from dflash2_mlx import generate, load_drafter, load_target
+
+    target = load_target("smollm2-demo")
+    drafter = load_drafter("smollm2-135m-dflash2", target)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert generate(target, messages, 32, drafter=drafter).text == default["text"]
 
 
 def test_chat_on_a_terminal_streams_answers_and_obeys_commands(pair, isolated):

@@ -31,11 +31,11 @@ def _constraint(target, grammar):
 def test_greedy_constrained_speculation_equals_constrained_plain_decoding(family, block):
     target = tiny_target(family, byte_level=True)
     grammar = json_schema_grammar(SCHEMA)
-    plain = generate(target, None, PROMPT, max_tokens=40, constraint=_constraint(target, grammar))
+    plain = generate(target, PROMPT, max_tokens=40, constraint=_constraint(target, grammar))
     drafter = tiny_drafter(target, "dflash2", block_size=block)
-    spec = generate(target, drafter, PROMPT, max_tokens=40, block_size=block, constraint=_constraint(target, grammar))
+    spec = generate(target, PROMPT, drafter=drafter, max_tokens=40, block_size=block, constraint=_constraint(target, grammar))
     assert spec.tokens == plain.tokens
-    unconstrained = generate(target, None, PROMPT, max_tokens=40).tokens
+    unconstrained = generate(target, PROMPT, max_tokens=40).tokens
     assert unconstrained != plain.tokens  # the grammar did change the output
     check = _constraint(target, grammar)
     check.commit(plain.tokens)  # raises if any emitted token broke the grammar
@@ -48,7 +48,7 @@ def test_a_completed_grammar_ends_generation_with_valid_json():
               "additionalProperties": False}
     grammar = json_schema_grammar(schema, compact=True)
     drafter = tiny_drafter(target, "dflash2", block_size=4)
-    out = generate(target, drafter, PROMPT, max_tokens=30, block_size=4, constraint=_constraint(target, grammar))
+    out = generate(target, PROMPT, drafter=drafter, max_tokens=30, block_size=4, constraint=_constraint(target, grammar))
     text = target.tokenizer.decode([t for t in out.tokens if t != 2])
     assert json.loads(text) in ({"a": True}, {"a": False})
     assert out.finish_reason == "stop" and len(out.tokens) < 30
@@ -115,7 +115,7 @@ def test_sampled_constrained_speculation_follows_the_masked_target():
     grammar = regex_grammar(PATTERN)
     counts = {}
     for i in range(1500):
-        out = generate(target, drafter, PROMPT, max_tokens=3, block_size=3,
+        out = generate(target, PROMPT, drafter=drafter, max_tokens=3, block_size=3,
                        sampling=SamplingParams(seed=i, **PARAMS), constraint=_constraint(target, grammar))
         assert out.cycles[0].n_drafted == 1
         counts[tuple(out.tokens)] = counts.get(tuple(out.tokens), 0) + 1
@@ -141,7 +141,7 @@ def test_power_check_unmasked_verify_rows_are_caught(monkeypatch):
     outside = 0
     for i in range(300):
         try:
-            out = generate(target, drafter, PROMPT, max_tokens=3, block_size=3,
+            out = generate(target, PROMPT, drafter=drafter, max_tokens=3, block_size=3,
                            sampling=SamplingParams(seed=i, **PARAMS), constraint=_constraint(target, grammar))
         except RuntimeError:  # the commit noticed the broken grammar state
             outside += 1

@@ -76,7 +76,7 @@ def _anchors_of(cycles, start):
 def test_anchors_match_the_selector_walk_and_the_engine(tiny_pair):
     target, drafter = tiny_pair
     prompt = [1, 20, 21, 22, 23, 24]
-    truth = generate(target, None, prompt, max_tokens=60).tokens
+    truth = generate(target, prompt, max_tokens=60).tokens
     ids = prompt + truth
     records = collect_anchors(target, drafter, ids, len(prompt), block_size=5)
     assert len(records) == len(truth) - 4
@@ -87,7 +87,7 @@ def test_anchors_match_the_selector_walk_and_the_engine(tiny_pair):
             if r.walk[:i] == r.truth[:i]:
                 assert r.pick[i] == r.walk[i]
     recorder = RecordingDrafter(drafter)
-    run = generate(target, recorder, prompt, max_tokens=60, block_size=5)
+    run = generate(target, prompt, drafter=recorder, max_tokens=60, block_size=5)
     assert run.tokens == truth
     by_anchor = dict(enumerate(records, start=len(prompt)))
     checked = 0
@@ -117,7 +117,7 @@ class RecordingDrafter:
 def test_top1_is_the_argmax_of_the_draft_logits(tiny_pair):
     target, drafter = tiny_pair
     prompt = [1, 30, 31]
-    ids = prompt + generate(target, None, prompt, max_tokens=12).tokens
+    ids = prompt + generate(target, prompt, max_tokens=12).tokens
     r = collect_anchors(target, drafter, ids, len(prompt), block_size=5)[0]
     block = mx.array([[ids[len(prompt)]] + [drafter.config.mask_token_id] * 4])
     from dflash2_mlx.diagnose import target_states

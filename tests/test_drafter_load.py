@@ -186,4 +186,4 @@ def test_quantized_draft_head_keeps_output_exact(target):
     q_logits = drafter.logits(mx.ones((1, 2, HIDDEN)))
     assert 0 < float(mx.abs(q_logits - dense_logits).max()) < 0.5  # a quantized copy, not the same array
     prompt = [1, 40, 41, 42, 7, 19]
-    assert generate(target, drafter, prompt, max_tokens=24).tokens == generate(target, None, prompt, max_tokens=24).tokens
+    assert generate(target, prompt, drafter=drafter, max_tokens=24).tokens == generate(target, prompt, max_tokens=24).tokens

@@ -18,7 +18,7 @@ N_TOKENS = 48  # > 4x the gemma window of 8
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family_target(request):
     target = tiny_target(request.param)
-    return request.param, target, generate(target, None, PROMPT, max_tokens=N_TOKENS).tokens
+    return request.param, target, generate(target, PROMPT, max_tokens=N_TOKENS).tokens
 
 
 def test_plain_decoding_equals_mlx_lm(family_target):
@@ -36,7 +36,7 @@ def test_plain_decoding_equals_mlx_lm(family_target):
 def test_greedy_speculative_equals_plain(family_target, arch, block_size):
     family, target, plain = family_target
     drafter = tiny_drafter(target, arch, block_size=block_size, sliding_window=12)
-    result = generate(target, drafter, PROMPT, max_tokens=N_TOKENS)
+    result = generate(target, PROMPT, drafter=drafter, max_tokens=N_TOKENS)
     assert result.tokens == plain
     assert all(c.width <= block_size for c in result.cycles)
 
@@ -72,7 +72,7 @@ class ScriptedDrafter:
 def test_every_acceptance_depth_keeps_output_exact(family_target, block_size):
     family, target, plain = family_target
     drafter = ScriptedDrafter(target, PROMPT + plain + [3] * 32, block_size)
-    result = generate(target, drafter, PROMPT, max_tokens=N_TOKENS)
+    result = generate(target, PROMPT, drafter=drafter, max_tokens=N_TOKENS)
     assert result.tokens == plain
     spec = result.speculative_cycles
     assert len(plain) == N_TOKENS and len(set(plain)) > 10
@@ -87,27 +87,27 @@ def test_mask_token_is_an_ordinary_token():
     # A target that always answers MASK_ID: bias the head hugely towards it.
     head = target.model.lm_head
     head.weight = head.weight.at[MASK_ID].add(50.0 * mx.sign(mx.ones((head.weight.shape[1],))))
-    plain = generate(target, None, [1, 2, 5], max_tokens=12)
+    plain = generate(target, [1, 2, 5], max_tokens=12)
     assert MASK_ID in plain.tokens
     drafter.truth = [1, 2, 5] + plain.tokens + [3] * 20
-    spec = generate(target, drafter, [1, 2, 5], max_tokens=12)
+    spec = generate(target, [1, 2, 5], drafter=drafter, max_tokens=12)
     assert spec.tokens == plain.tokens
 
 
 def test_stops_on_eos_stop_string_and_max_tokens():
     target = tiny_target("llama", seed=3)
-    free = generate(target, None, PROMPT, max_tokens=30)
+    free = generate(target, PROMPT, max_tokens=30)
     assert len(free.tokens) <= 30
     text = free.text
     assert len(free.tokens) == 30 and len(text) > 12
     stop = text[8:11]
-    cut = generate(target, tiny_drafter(target, "dflash2"), PROMPT, max_tokens=30, stop=[stop])
+    cut = generate(target, PROMPT, drafter=tiny_drafter(target, "dflash2"), max_tokens=30, stop=[stop])
     assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
     eos = free.tokens[4]
     target.tokenizer._eos_token_ids = {eos}
-    stopped = generate(target, tiny_drafter(target, "dflash"), PROMPT, max_tokens=30)
+    stopped = generate(target, PROMPT, drafter=tiny_drafter(target, "dflash"), max_tokens=30)
     assert stopped.finish_reason == "stop" and stopped.tokens == free.tokens[: free.tokens.index(eos)]
-    one = generate(target, None, PROMPT, max_tokens=1)
+    one = generate(target, PROMPT, max_tokens=1)
     assert one.finish_reason in ("length", "stop") and len(one.tokens) <= 1
 
 
@@ -115,25 +115,25 @@ def test_sampling_is_repeatable_with_a_seed():
     target = tiny_target("qwen3_5")
     drafter = tiny_drafter(target, "dflash2")
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=7)
-    a = generate(target, drafter, PROMPT, max_tokens=20, sampling=params)
-    b = generate(target, drafter, PROMPT, max_tokens=20, sampling=params)
-    c = generate(target, drafter, PROMPT, max_tokens=20, sampling=SamplingParams(temperature=0.9, seed=8))
+    a = generate(target, PROMPT, drafter=drafter, max_tokens=20, sampling=params)
+    b = generate(target, PROMPT, drafter=drafter, max_tokens=20, sampling=params)
+    c = generate(target, PROMPT, drafter=drafter, max_tokens=20, sampling=SamplingParams(temperature=0.9, seed=8))
     assert a.tokens == b.tokens and a.tokens != c.tokens
 
 
 def test_penalties_apply_identically_with_and_without_speculation():
     target = tiny_target("qwen3")
     params = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.2)
-    plain = generate(target, None, PROMPT, max_tokens=30, sampling=params)
+    plain = generate(target, PROMPT, max_tokens=30, sampling=params)
     truth = PROMPT + plain.tokens + [3] * 20
-    spec = generate(target, ScriptedDrafter(target, truth, 5), PROMPT, max_tokens=30, sampling=params)
+    spec = generate(target, PROMPT, drafter=ScriptedDrafter(target, truth, 5), max_tokens=30, sampling=params)
     assert spec.tokens == plain.tokens
-    assert plain.tokens != generate(target, None, PROMPT, max_tokens=30).tokens
+    assert plain.tokens != generate(target, PROMPT, max_tokens=30).tokens
 
 
 def test_events_stream_text_and_stats():
     target = tiny_target("llama")
-    events = list(stream_generate(target, tiny_drafter(target, "dflash2"), PROMPT, max_tokens=10, block_size=4))
+    events = list(stream_generate(target, PROMPT, drafter=tiny_drafter(target, "dflash2"), max_tokens=10, block_size=4))
     assert events[0].cycle is None and all(e.cycle is not None for e in events[1:])
     assert events[-1].finish_reason is not None
     assert sum(len(e.tokens) for e in events) == events[-1].generation_tokens
@@ -143,27 +143,27 @@ def test_bad_arguments_fail_with_values():
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash")
     with pytest.raises(ConfigError, match="max_tokens must be >= 1, got 0"):
-        generate(target, None, PROMPT, max_tokens=0)
+        generate(target, PROMPT, max_tokens=0)
     with pytest.raises(ConfigError, match="block_size must be >= 2.*got 1"):
-        generate(target, drafter, PROMPT, block_size=1)
+        generate(target, PROMPT, drafter=drafter, block_size=1)
     with pytest.raises(ConfigError, match=r"\[500\] are outside the vocab \(size 97\)"):
-        generate(target, None, [1, 500])
+        generate(target, [1, 500])
     with pytest.raises(ConfigError, match="temperature must be >= 0, got -1"):
         SamplingParams(temperature=-1)
 
 
 def test_quantized_kv_cache_rolls_back_exactly():
     target = tiny_target("llama", head_dim=32)
-    plain = generate(target, None, PROMPT, max_tokens=32, kv_bits=8)
-    spec = generate(target, tiny_drafter(target, "dflash2"), PROMPT, max_tokens=32, block_size=5, kv_bits=8)
+    plain = generate(target, PROMPT, max_tokens=32, kv_bits=8)
+    spec = generate(target, PROMPT, drafter=tiny_drafter(target, "dflash2"), max_tokens=32, block_size=5, kv_bits=8)
     truth = PROMPT + plain.tokens + [3] * 16
-    scripted = generate(target, ScriptedDrafter(target, truth, 6), PROMPT, max_tokens=32, kv_bits=8)
+    scripted = generate(target, PROMPT, drafter=ScriptedDrafter(target, truth, 6), max_tokens=32, kv_bits=8)
     assert spec.tokens == plain.tokens == scripted.tokens
     assert {c.n_accepted for c in scripted.speculative_cycles} == set(range(6))
     with pytest.raises(ConfigError, match="kv_bits must be 4 or 8, got 3"):
-        generate(target, None, PROMPT, kv_bits=3)
+        generate(target, PROMPT, kv_bits=3)
     with pytest.raises(ConfigError, match="multiple of 32, got 16"):
-        generate(tiny_target("llama"), None, PROMPT, kv_bits=8)
+        generate(tiny_target("llama"), PROMPT, kv_bits=8)
 
 
 def _naive_stop(text, stops):
@@ -208,7 +208,7 @@ def test_generation_runs_inside_the_wired_limit_and_clears_the_cache_unchanged(m
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     monkeypatch.setattr(engine, "CLEAR_CACHE_EVERY", 10**9)
-    baseline = generate(target, drafter, PROMPT, max_tokens=40)
+    baseline = generate(target, PROMPT, drafter=drafter, max_tokens=40)
     log, cleared, clear = [], [], mx.clear_cache
 
     @contextmanager
@@ -220,7 +220,7 @@ def test_generation_runs_inside_the_wired_limit_and_clears_the_cache_unchanged(m
     monkeypatch.setattr(engine, "_wired_limit", wired)
     monkeypatch.setattr(engine, "CLEAR_CACHE_EVERY", 2)
     monkeypatch.setattr(mx, "clear_cache", lambda: (cleared.append(1), clear())[1])
-    events = stream_generate(target, drafter, PROMPT, max_tokens=40)
+    events = stream_generate(target, PROMPT, drafter=drafter, max_tokens=40)
     first = next(events)
     assert log == [("enter", target.model)]  # entered before the prefill, still held
     result = engine.collect([first, *events])

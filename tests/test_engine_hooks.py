@@ -10,10 +10,10 @@ def test_on_prefill_sees_every_chunk_and_keeps_the_output():
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     calls = []
-    hooked = generate(target, drafter, PROMPT, max_tokens=12, prefill_step_size=4,
+    hooked = generate(target, PROMPT, drafter=drafter, max_tokens=12, prefill_step_size=4,
                       on_prefill=lambda done, total: calls.append((done, total)))
     assert calls == [(0, 11), (4, 11), (8, 11)]
-    assert hooked.tokens == generate(target, drafter, PROMPT, max_tokens=12).tokens
+    assert hooked.tokens == generate(target, PROMPT, drafter=drafter, max_tokens=12).tokens
 
 
 def test_on_prefill_false_cancels_before_any_token():
@@ -24,7 +24,7 @@ def test_on_prefill_false_cancels_before_any_token():
         calls.append(done)
         return done < 4
 
-    events = list(stream_generate(target, None, PROMPT, max_tokens=8, prefill_step_size=4,
+    events = list(stream_generate(target, PROMPT, max_tokens=8, prefill_step_size=4,
                                   on_prefill=stop_at_second_chunk))
     assert events == [] and calls == [0, 4]
 
@@ -60,8 +60,8 @@ def test_pipelined_plain_decoding_equals_the_step_by_step_twin():
     for family in ("llama", "qwen3_5", "gemma3_text"):
         target = tiny_target(family)
         for sampling in (None, SamplingParams(temperature=0.8, seed=3)):
-            fast = generate(target, None, PROMPT, max_tokens=40, sampling=sampling)
-            slow = generate(target, None, PROMPT, max_tokens=40, sampling=sampling, pipelined=False)
+            fast = generate(target, PROMPT, max_tokens=40, sampling=sampling)
+            slow = generate(target, PROMPT, max_tokens=40, sampling=sampling, pipelined=False)
             assert fast.tokens == slow.tokens and len(fast.tokens) == 40, family
             assert [c.width for c in fast.cycles] == [1] * 39
 
@@ -90,7 +90,7 @@ def test_pipelined_plain_steps_between_speculative_ones_equal_the_twin():
         target = tiny_target(family)
         drafter = tiny_drafter(target, "dflash2", block_size=4, sliding_window=12)
         for sampling in (None, SamplingParams(temperature=0.8, seed=5)):
-            runs = [generate(target, drafter, PROMPT, max_tokens=40, sampling=sampling, block_size=4,
+            runs = [generate(target, PROMPT, drafter=drafter, max_tokens=40, sampling=sampling, block_size=4,
                              block_policy=ScriptedWidths(pattern), pipelined=p) for p in (True, False)]
             assert runs[0].tokens == runs[1].tokens, (family, sampling)
             assert [c.width for c in runs[0].cycles] == [c.width for c in runs[1].cycles]
@@ -133,7 +133,7 @@ def test_logprobs_are_the_targets_own_under_speculation():
         drafter = tiny_drafter(target, "dflash2", block_size=4, sliding_window=12)
         for sampling in (None, SamplingParams(temperature=0.9, seed=2)):
             for d in (None, drafter):
-                events = list(stream_generate(target, d, PROMPT, max_tokens=24, sampling=sampling, top_logprobs=3))
+                events = list(stream_generate(target, PROMPT, drafter=d, max_tokens=24, sampling=sampling, top_logprobs=3))
                 tokens = [t for e in events for t in e.tokens]
                 lps = [lp for e in events for lp in e.logprobs]
                 assert [lp.token for lp in lps] == tokens and len(tokens) == 24
@@ -144,7 +144,7 @@ def test_logprobs_are_the_targets_own_under_speculation():
                     assert lp.top[0][1] >= lp.logprob - 1e-6
             if sampling is None:  # greedy: the top alternative is the token itself
                 assert all(lp.top[0][0] == lp.token for lp in lps)
-    assert all(e.logprobs is None for e in stream_generate(target, drafter, PROMPT, max_tokens=8))
+    assert all(e.logprobs is None for e in stream_generate(target, PROMPT, drafter=drafter, max_tokens=8))
 
 
 def test_overlapped_and_synchronous_drafting_emit_the_same_tokens():
@@ -153,5 +153,5 @@ def test_overlapped_and_synchronous_drafting_emit_the_same_tokens():
     target = tiny_target("qwen3_5")
     drafter = tiny_drafter(target, "dflash2", block_size=5, sliding_window=12)
     for sampling in (None, SamplingParams(temperature=0.7, seed=9)):
-        runs = [generate(target, drafter, PROMPT, max_tokens=30, sampling=sampling, overlap=o) for o in (True, False)]
+        runs = [generate(target, PROMPT, drafter=drafter, max_tokens=30, sampling=sampling, overlap=o) for o in (True, False)]
         assert runs[0].tokens == runs[1].tokens and runs[0].speculative_cycles

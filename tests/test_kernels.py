@@ -257,10 +257,10 @@ def test_drafter_proposals_identical_on_emulated_kernel_and_ops(emu_kernel):
 def test_generation_identical_on_emulated_kernel_and_ops(emu_kernel, sampling):
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", top_k=16)
-    ops = generate(target, drafter, PROMPT, max_tokens=24, sampling=sampling)
+    ops = generate(target, PROMPT, drafter=drafter, max_tokens=24, sampling=sampling)
     before = emu_kernel.launches
     with ksel.routed(emu_kernel):
-        ker = generate(target, drafter, PROMPT, max_tokens=24, sampling=sampling)
+        ker = generate(target, PROMPT, drafter=drafter, max_tokens=24, sampling=sampling)
     assert emu_kernel.launches - before == len(ker.speculative_cycles) > 0
     assert ker.tokens == ops.tokens
     assert [c.n_accepted for c in ker.cycles] == [c.n_accepted for c in ops.cycles]

@@ -20,11 +20,11 @@ def target(request):
 
 
 def _cold(target, drafter, prompt, **kw):
-    return generate(target, drafter, prompt, max_tokens=N, block_size=4, **kw).tokens
+    return generate(target, prompt, drafter=drafter, max_tokens=N, block_size=4, **kw).tokens
 
 
 def _hot(target, drafter, prompt, cache, **kw):
-    return generate(target, drafter, prompt, max_tokens=N, block_size=4, prompt_cache=cache, **kw).tokens
+    return generate(target, prompt, drafter=drafter, max_tokens=N, block_size=4, prompt_cache=cache, **kw).tokens
 
 
 @pytest.mark.parametrize("reserve", [4, 64])
@@ -113,7 +113,7 @@ def test_sampling_with_a_seed_is_the_same_cached_and_cold(target):
 def test_a_reply_closed_early_leaves_the_cache_usable(target):
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     cache = PromptCache(target, drafter)
-    events = stream_generate(target, drafter, P1, max_tokens=N, block_size=4, prompt_cache=cache)
+    events = stream_generate(target, P1, drafter=drafter, max_tokens=N, block_size=4, prompt_cache=cache)
     got = [t for _, ev in zip(range(3), events) for t in ev.tokens]
     events.close()
     assert cache.tokens == (P1 + got)[: len(cache.tokens)]
@@ -124,9 +124,9 @@ def test_a_reply_closed_early_leaves_the_cache_usable(target):
 
 def test_events_report_the_cached_tokens(target):
     cache = PromptCache(target, None)
-    first = list(stream_generate(target, None, P1, max_tokens=4, prompt_cache=cache))
+    first = list(stream_generate(target, P1, max_tokens=4, prompt_cache=cache))
     assert first[0].cached_tokens == 0
-    again = list(stream_generate(target, None, P1 + USER2, max_tokens=4, prompt_cache=cache))
+    again = list(stream_generate(target, P1 + USER2, max_tokens=4, prompt_cache=cache))
     assert again[0].cached_tokens == cache.last_reuse.n_cached > 0
     assert again[0].prompt_tokens == len(P1 + USER2)
 
@@ -135,11 +135,11 @@ def test_a_cache_for_another_pair_or_width_is_refused():
     target, other = tiny_target("llama"), tiny_target("llama", seed=3)
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     with pytest.raises(ConfigError, match="another target"):
-        generate(target, drafter, P1, max_tokens=2, prompt_cache=PromptCache(other, None))
+        generate(target, P1, drafter=drafter, max_tokens=2, prompt_cache=PromptCache(other, None))
     with pytest.raises(ConfigError, match="another target"):
-        generate(target, drafter, P1, max_tokens=2, prompt_cache=PromptCache(target, None))
+        generate(target, P1, drafter=drafter, max_tokens=2, prompt_cache=PromptCache(target, None))
     with pytest.raises(ConfigError, match="reserve 4"):
-        generate(target, drafter, P1, max_tokens=2, block_size=6, prompt_cache=PromptCache(target, drafter, reserve=4))
+        generate(target, P1, drafter=drafter, max_tokens=2, block_size=6, prompt_cache=PromptCache(target, drafter, reserve=4))
 
 
 def test_nbytes_counts_the_caches():

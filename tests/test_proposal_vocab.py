@@ -34,7 +34,7 @@ def target():
 @pytest.fixture(scope="module")
 def vocab(target):
     """A tiny frequency-ranked subset: counts of the target's own greedy outputs."""
-    outs = [generate(target, None, p, max_tokens=32).tokens for p in PROMPTS]
+    outs = [generate(target, p, max_tokens=32).tokens for p in PROMPTS]
     counts = count_tokens(outs, VOCAB)
     return ProposalVocab(tuple(rank_ids(counts, always=target.eos_token_ids)), VOCAB, SIZE, SIZE)
 
@@ -97,12 +97,12 @@ def test_sampled_q_is_a_distribution_over_the_subset(target, vocab):
 @pytest.mark.parametrize("arch,block_size", [("dflash", 4), ("dflash2", 3), ("dflash2", 6)])
 def test_greedy_generation_identical_with_compact_head(family, arch, block_size):
     target = tiny_target(family)
-    outs = [generate(target, None, p, max_tokens=32).tokens for p in PROMPTS]
+    outs = [generate(target, p, max_tokens=32).tokens for p in PROMPTS]
     small = ProposalVocab(tuple(rank_ids(count_tokens(outs, VOCAB))), VOCAB, SIZE, SIZE)
     drafter = tiny_drafter(target, arch)
     drafter.use_proposal_vocab(small)
     for prompt, plain in zip(PROMPTS, outs):
-        assert generate(target, drafter, prompt, max_tokens=32, block_size=block_size).tokens == plain
+        assert generate(target, prompt, drafter=drafter, max_tokens=32, block_size=block_size).tokens == plain
 
 
 def test_full_head_logits_unchanged_by_the_compact_head(target, vocab):
@@ -123,7 +123,7 @@ def test_quantized_compact_head_and_quantized_target_rows(target, vocab):
     sliced = drafter.logits(_hidden(drafter))[..., vocab.ids]
     assert 0 < float(mx.abs(drafter.proposal_logits(_hidden(drafter))[0] - sliced).max()) < 0.5
     prompt = PROMPTS[0]
-    assert generate(target, drafter, prompt, max_tokens=24).tokens == generate(target, None, prompt, max_tokens=24).tokens
+    assert generate(target, prompt, drafter=drafter, max_tokens=24).tokens == generate(target, prompt, max_tokens=24).tokens
 
     from dflash2_mlx.target import Target
     from tiny import TinyTokenizer, tiny_model

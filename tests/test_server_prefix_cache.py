@@ -25,7 +25,7 @@ C = [3, 70, 71, 72, 73, 74]
 
 def _turn(pool, target, drafter, prompt):
     cache = pool.checkout(prompt)
-    out = generate(target, drafter, prompt, max_tokens=12, block_size=4, prompt_cache=cache).tokens
+    out = generate(target, prompt, drafter=drafter, max_tokens=12, block_size=4, prompt_cache=cache).tokens
     pool.checkin(cache)
     return out
 
@@ -34,14 +34,14 @@ def test_pool_reuses_the_longest_prefix_and_evicts_oldest_first():
     target = tiny_target("llama")
     drafter = tiny_drafter(target, block_size=4)
     probe = PromptCache(target, drafter)
-    generate(target, drafter, A, max_tokens=12, block_size=4, prompt_cache=probe)
+    generate(target, A, drafter=drafter, max_tokens=12, block_size=4, prompt_cache=probe)
     one = probe.nbytes  # what one short conversation holds
     pool = PromptCachePool(lambda: PromptCache(target, drafter), max_bytes=int(2.5 * one))
     first = {name: _turn(pool, target, drafter, p) for name, p in (("a", A), ("b", B))}
     assert pool.stats.misses == 2 and pool.stats.entries == 2
     again = _turn(pool, target, drafter, A + first["a"] + [20, 21])  # conversation A goes on
     assert pool.stats.hits == 1 and pool.stats.cached_tokens >= len(A) + len(first["a"]) - 1
-    assert again == generate(target, drafter, A + first["a"] + [20, 21], max_tokens=12, block_size=4).tokens
+    assert again == generate(target, A + first["a"] + [20, 21], drafter=drafter, max_tokens=12, block_size=4).tokens
     _turn(pool, target, drafter, C)  # a third: the least recently used (B) goes
     snap = pool.snapshot()
     assert snap.evictions >= 1 and snap.bytes <= pool.max_bytes
@@ -55,10 +55,10 @@ def test_a_request_sharing_less_than_the_last_prompt_works_on_a_copy():
     pool = PromptCachePool(lambda: PromptCache(target, drafter))
     first = _turn(pool, target, drafter, A)
     other = A[:5] + [80, 81, 82, 83]
-    assert _turn(pool, target, drafter, other) == generate(target, drafter, other, max_tokens=12, block_size=4).tokens
+    assert _turn(pool, target, drafter, other) == generate(target, other, drafter=drafter, max_tokens=12, block_size=4).tokens
     assert pool.stats.entries == 2
     cont = A + first + [20, 21]
-    assert _turn(pool, target, drafter, cont) == generate(target, drafter, cont, max_tokens=12, block_size=4).tokens
+    assert _turn(pool, target, drafter, cont) == generate(target, cont, drafter=drafter, max_tokens=12, block_size=4).tokens
     assert pool._entries[next(reversed(pool._entries))].last_reuse.n_cached >= len(A) + len(first) - 1
 
 

@@ -136,14 +136,13 @@ def test_layers_of_different_shapes_and_generic_layers_replay_on_their_own(stack
 @pytest.mark.parametrize("block_size", [2, 4, 7])
 def test_greedy_generation_is_identical_with_stacked_per_layer_and_generic_replay(targets, stack_calls,
                                                                                   block_size):
-    plain = generate(targets["stacked"], None, PROMPT, max_tokens=40).tokens
+    plain = generate(targets["stacked"], PROMPT, max_tokens=40).tokens
     assert len(set(plain)) > 8
     truth = PROMPT + plain + [3] * 32
     for name, target in targets.items():
-        scripted = generate(target, ScriptedDrafter(target, truth, block_size), PROMPT, max_tokens=40)
+        scripted = generate(target, PROMPT, drafter=ScriptedDrafter(target, truth, block_size), max_tokens=40)
         assert scripted.tokens == plain, name
         assert {c.n_accepted for c in scripted.speculative_cycles} == set(range(block_size))
-        drafted = generate(target, tiny_drafter(target, "dflash2", block_size=block_size, n_target_layers=12),
-                           PROMPT, max_tokens=40)
+        drafted = generate(target, PROMPT, drafter=tiny_drafter(target, "dflash2", block_size=block_size, n_target_layers=12), max_tokens=40)
         assert drafted.tokens == plain, name
     assert stack_calls and set(stack_calls) == {8}

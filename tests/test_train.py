@@ -38,7 +38,7 @@ def test_generated_data_is_the_targets_own_greedy_continuation(target, features)
     rows = [json.loads(line) for line in (features[0].parent.parent / "gen" / "gen-00000.jsonl").read_text().splitlines()]
     assert len(rows) == 5
     for row in rows[:2]:
-        ours = generate(target, None, row["prompt_ids"], max_tokens=24).tokens
+        ours = generate(target, row["prompt_ids"], max_tokens=24).tokens
         assert row["response_ids"] == ours
     shard = FeatureShard.load(features[0])
     assert shard.hidden.dtype == np.float16 and shard.hidden.shape[1] == 3 * 64

@@ -194,7 +194,7 @@ def _engine_first_three(make_drafter, n_draws, seed0):
     target = tiny_target("qwen3")
     counts = {}
     for i in range(n_draws):
-        result = generate(target, make_drafter(target), E2E_PROMPT, max_tokens=3, block_size=3,
+        result = generate(target, E2E_PROMPT, drafter=make_drafter(target), max_tokens=3, block_size=3,
                           sampling=SamplingParams(seed=seed0 + i, **E2E_PARAMS))
         assert result.cycles[0].n_drafted == 1  # token 2 always comes out of a verify pass
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1

@@ -18,7 +18,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..errors import ConfigError, ResolveError, WeightsError
+from ..errors import ConfigError, WeightsError
 from .config import DrafterConfig, check_fits, parse_config
 from .model import Drafter
 from .vocab import resolve_vocab
@@ -45,21 +45,6 @@ def sanitize(weights: dict[str, mx.array], config: DrafterConfig) -> dict[str, m
 def unsanitize(params: dict[str, mx.array]) -> dict[str, mx.array]:
     """Our parameter names -> the published DFlash 2 layout (codebooks without `.weight`)."""
     return {(k[: -len(".weight")] if k[: -len(".weight")] in _CODEBOOKS else k): v for k, v in params.items()}
-
-
-def resolve_drafter_dir(path_or_repo: str | os.PathLike) -> Path:
-    """A local directory, or a Hugging Face repo id fetched with huggingface_hub."""
-    path = Path(path_or_repo).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists() or str(path_or_repo).startswith((".", "/", "~")):
-        raise ResolveError(f"drafter path {str(path_or_repo)!r} is not a directory")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return Path(snapshot_download(str(path_or_repo), allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as e:  # huggingface_hub raises many kinds; all mean "not available here"
-        raise ResolveError(f"cannot fetch drafter {str(path_or_repo)!r}: {type(e).__name__}: {e}") from e
 
 
 def read_checkpoint(path: Path) -> tuple[dict, dict[str, mx.array]]:
@@ -135,7 +120,8 @@ def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=No
 
 def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype: str | None = None,
                  head_bits: int | None = None, draft_vocab: int | None = None) -> Drafter:
-    """Load a DFlash / DFlash 2 drafter (local dir or HF repo) and bind it to `target`.
+    """Load a DFlash / DFlash 2 drafter and bind it to `target`: a local directory, a shipped
+    drafter name or a Hugging Face repo id (resolved as `--drafter` is, by `hub.resolve_drafter`).
 
     Args:
         draft_bits: quantize the drafter to 4 or 8 bits after loading.
@@ -147,7 +133,9 @@ def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype
     Raises:
         ConfigError, WeightsError, IncompatibleDrafterError, ResolveError.
     """
-    path = resolve_drafter_dir(path_or_repo)
+    from ..hub import resolve_drafter
+
+    path = resolve_drafter(str(path_or_repo))
     raw, weights = read_checkpoint(path)
     model = build_drafter(parse_config(raw), weights, target, draft_bits, dtype)
     model.path = str(path)

@@ -11,6 +11,8 @@ import threading
 import time
 from collections import Counter
 
+from ..stats import tau_from_counts
+
 # Routes counted by name; anything else is counted as "other" so that scanners probing random
 # paths cannot grow the label set without bound.
 KNOWN_ROUTES = frozenset({
@@ -113,8 +115,7 @@ class Metrics:
         return int(min(60, max(1, math.ceil(mean * max(depth, 1)))))
 
     def tokens_per_cycle(self) -> float:
-        spec = self.speculative_cycles
-        return (self.draft_accepted + spec) / spec if spec else 1.0
+        return tau_from_counts(self.draft_accepted, self.speculative_cycles)
 
     def render(self) -> str:
         """The Prometheus text exposition of every metric."""

@@ -21,6 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from ..errors import DFlashError
+from ..stats import tau_from_counts
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class JobStats:
     @property
     def tokens_per_cycle(self) -> float:
         """τ: mean tokens per speculative cycle, bonus included (1.0 without speculation)."""
-        return (self.draft_n_accepted + self.n_speculative) / self.n_speculative if self.n_speculative else 1.0
+        return tau_from_counts(self.draft_n_accepted, self.n_speculative)
 
     def ollama_durations_ms(self) -> tuple[float, float]:
         """Ollama's (prompt_eval_duration, eval_duration), so that eval_count / eval_duration is

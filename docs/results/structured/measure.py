@@ -35,7 +35,7 @@ def run(session, ids, drafter, width, max_tokens, grammar):
     constraint = None if grammar is None else GrammarConstraint(target.tokenizer, target.info.vocab_size,
                                                                 target.eos_token_ids, grammar)
     t0 = time.perf_counter()
-    res = collect(stream_generate(target, drafter, ids, max_tokens=max_tokens, block_size=width if drafter else None,
+    res = collect(stream_generate(target, ids, drafter=drafter, max_tokens=max_tokens, block_size=width if drafter else None,
                                   constraint=constraint))
     wall = time.perf_counter() - t0
     spec = [c for c in res.cycles if c.n_drafted]

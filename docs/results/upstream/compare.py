@@ -52,7 +52,7 @@ def _run_ours(session, drafter, ids, width, max_tokens):
     from dflash2_mlx import stream_generate
 
     tokens, cycles, t_first = [], [], None
-    for ev in stream_generate(session.target, drafter, ids, max_tokens=max_tokens, block_size=width):
+    for ev in stream_generate(session.target, ids, drafter=drafter, max_tokens=max_tokens, block_size=width):
         t_first = t_first or time.perf_counter()
         tokens.extend(ev.tokens)
         if ev.cycle is not None and ev.cycle.n_drafted:
@@ -88,7 +88,7 @@ def main() -> None:
 
     for j, p in enumerate(prompts):
         ids = session.encode(p.text)
-        plain = generate(session.target, None, ids, max_tokens=args.max_tokens).tokens
+        plain = generate(session.target, ids, max_tokens=args.max_tokens).tokens
         order = ("ours", "upstream") if j % 2 == 0 else ("upstream", "ours")
         row = {"suite": p.suite, "id": p.id}
         for who in order:
