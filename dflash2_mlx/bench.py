@@ -22,7 +22,7 @@ import dataclasses
 import platform
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable
 
 from . import stats
 from .engine import CycleStats, stream_generate

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
+
+from .paths import atomic_path
 
 DEFAULT_HYSTERESIS = 0.05  # a new width must be predicted this much faster to replace the current one
 DEFAULT_DECAY = 0.97  # per speculative cycle: acceptance evidence fades over ~30 cycles
@@ -367,9 +368,8 @@ def save_calibration(cal: Calibration, cache_dir: Path | None = None) -> Path:
     folder = Path(cache_dir or default_cache_dir())
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{cal.key}.json"
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cal.to_dict(), indent=2))
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(cal.to_dict(), indent=2))
     return path
 
 

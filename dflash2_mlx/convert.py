@@ -23,9 +23,7 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -34,6 +32,7 @@ import numpy as np
 
 from .errors import ConfigError
 from .progress import bar
+from .paths import atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -336,17 +335,9 @@ def _atomic_dir(out: Path, overwrite: bool):
     out = Path(out)
     if out.exists() and not overwrite:
         raise ConfigError(f"output {str(out)!r} already exists; choose a new directory or pass --overwrite")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the result is an ordinary directory
-    try:
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
         yield tmp
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_options(dtype: str, q_bits: int | None, group_size: int) -> None:

@@ -23,8 +23,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -288,12 +286,8 @@ def untrained_drafter(alias: str, config: dict) -> Path:
             value = mx.random.normal(value.shape, key=mx.random.key(i)) * 0.02
         params.append((name, value.astype(mx.float32)))
     model.update(tree_unflatten(params))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=_mkdir(out.parent)))
-    tmp.chmod(0o755)
-    save_drafter(model, tmp, extra_config={"untrained": True})
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with paths.atomic_path(out) as tmp:
+        save_drafter(model, tmp, extra_config={"untrained": True})
     return out
 
 

@@ -9,7 +9,10 @@ processes can redirect them:
 from __future__ import annotations
 
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -86,3 +89,31 @@ def parse_bytes(text: str, what: str = "size") -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ConfigError(f"{what} must be a byte count like 2GiB, 512MB or 0, got {text!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+_TMP_COUNT = iter(range(1 << 62))
+
+
+@contextmanager
+def atomic_path(dest) -> Iterator[Path]:
+    """A temporary path next to `dest` (write a file or fill a directory there) that becomes
+    `dest` when the block ends without an error, and is removed when it raises. A directory
+    already at `dest` is moved aside first and removed after, so `dest` is never half-written."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tag = f"tmp-{os.getpid()}-{next(_TMP_COUNT)}"
+    tmp = dest.with_name(f".{dest.stem}.{tag}{dest.suffix}")  # keeps the suffix (.safetensors, .json)
+    try:
+        yield tmp
+        if dest.is_dir() and not dest.is_symlink():
+            old = dest.with_name(f".{dest.name}.old-{tag}")
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    finally:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        elif tmp.exists():
+            tmp.unlink()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +21,7 @@ from ..errors import ConfigError, WeightsError
 from .config import DrafterConfig, check_fits, parse_config
 from .model import Drafter
 from .vocab import resolve_vocab
+from ..paths import atomic_path
 
 _CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 _MUSE_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}
@@ -195,11 +195,9 @@ def published_config(config: DrafterConfig, extra: dict | None = None) -> dict:
 def save_drafter(model: Drafter, out_dir: str | os.PathLike, extra_config: dict | None = None) -> Path:
     """Write `config.json` + `model.safetensors` in the published layout, atomically."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     params = unsanitize(dict(tree_flatten(model.parameters())))
-    with tempfile.TemporaryDirectory(dir=out) as tmp:
-        mx.save_safetensors(str(Path(tmp) / "model.safetensors"), params, metadata={"format": "mlx"})
-        (Path(tmp) / "config.json").write_text(json.dumps(published_config(model.config, extra_config), indent=2))
-        os.replace(Path(tmp) / "model.safetensors", out / "model.safetensors")
-        os.replace(Path(tmp) / "config.json", out / "config.json")
+    with atomic_path(out / "model.safetensors") as tmp:
+        mx.save_safetensors(str(tmp), params, metadata={"format": "mlx"})
+    with atomic_path(out / "config.json") as tmp:
+        tmp.write_text(json.dumps(published_config(model.config, extra_config), indent=2))
     return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ResolveError
+from ..paths import atomic_path
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -81,12 +81,6 @@ def chat_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
     return tokenizer.encode(text)
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.stem + ".tmp" + path.suffix)
-    write(tmp)
-    os.replace(tmp, path)
-
-
 def _progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -130,7 +124,8 @@ def generate_responses(target, prompts: list[str], out_dir: Path, max_new_tokens
                 bar.update(task, info=f"shard {s}: {n_tok} tokens")
             gen.close()
             rows = [{"prompt_ids": p, "response_ids": out[u], "finish": finish.get(u)} for p, u in zip(ids, uids)]
-            _atomic_write(path, lambda p: p.write_text("\n".join(json.dumps(r) for r in rows) + "\n"))
+            with atomic_path(path) as tmp:
+                tmp.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return paths
 
 
@@ -194,7 +189,8 @@ class ShardWriter:
             "anchor_ok": mx.array(self.ok, dtype=mx.uint8),
             "hidden": mx.zeros((0, self.width), mx.float16) if empty else mx.concatenate(self.hidden, axis=0),
         }
-        _atomic_write(path, lambda p: mx.save_safetensors(str(p), arrays))
+        with atomic_path(path) as tmp:
+            mx.save_safetensors(str(tmp), arrays)
 
 
 def target_pass(target, seq: list[int], taps: tuple[int, ...]) -> tuple[mx.array, mx.array]:

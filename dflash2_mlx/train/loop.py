@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +24,7 @@ from ..drafter.load import read_checkpoint, save_drafter, build_drafter
 from ..drafter.config import parse_config
 from .data import FeatureShard
 from .loss import Batch, LossWeights, TrainVocab, drafter_loss, estimated_tau, position_weights
+from ..paths import atomic_path
 
 
 @dataclass
@@ -192,19 +191,12 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------
 
     def save(self, final: bool = False) -> Path:
-        tmp = self.out_dir / "checkpoint.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter(self.drafter, tmp / "drafter")
-        mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
-        (tmp / "state.json").write_text(json.dumps({"step": self.state.step, "history": self.state.history,
-                                                    "config": asdict(self.cfg)}))
         dest = self.out_dir / "checkpoint"
-        old = self.out_dir / "checkpoint.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if dest.exists():
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
+        with atomic_path(dest) as tmp:
+            save_drafter(self.drafter, tmp / "drafter")
+            mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+            (tmp / "state.json").write_text(json.dumps({"step": self.state.step, "history": self.state.history,
+                                                        "config": asdict(self.cfg)}))
         if final:
             save_drafter(self.drafter, self.out_dir)
         return dest
