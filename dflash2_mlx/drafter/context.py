@@ -21,6 +21,9 @@ from mlx_lm.models.cache import KVCache
 from ..caches import WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
 
 MAX_PENDING_PARTS = 32  # long plain stretches feed one row at a time: keep the list short
+# Pending rows may grow to this many times the limit before the unseen ones are dropped, so a
+# long plain stretch past the window copies them once per `limit` steps, not at every step.
+CAP_SLACK = 2
 
 
 class DraftContext:
@@ -42,12 +45,14 @@ class DraftContext:
         self.n_tokens += states.shape[1]
         if len(self.pending) > MAX_PENDING_PARTS:
             self.pending = [mx.concatenate(self.pending, axis=1)]
-        self._cap()
+        if self.limit is not None and self.n_pending > CAP_SLACK * self.limit:
+            self._cap()
 
     def take(self) -> mx.array:
         """The pending states, handed to a draft that appends them to `cache` (so emptied here)."""
         if not self.pending:
             raise RuntimeError("a draft needs at least one committed state (feed the prompt first)")
+        self._cap()
         ctx = mx.concatenate(self.pending, axis=1) if len(self.pending) > 1 else self.pending[0]
         self.pending = []
         return ctx
