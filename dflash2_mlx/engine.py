@@ -62,7 +62,22 @@ class TokenLogprob:
 
 @dataclass
 class GenerationEvent:
-    """Yielded by `stream_generate` once per cycle (and once for the first token)."""
+    """Yielded by `stream_generate` once per cycle (and once for the first token).
+
+    Attributes:
+        text: new text since the last event (a tail that could start a stop string is held back).
+        tokens: the tokens this event adds (EOS and anything after a stop are not included).
+        cycle: the cycle that produced them (None for the first token, from the prompt pass).
+        finish_reason: None while generating, then "stop" (EOS, a stop string, a completed
+            grammar) or "length" (max_tokens).
+        prompt_tokens: the prompt's length; prompt_tps: prompt tokens prefilled per second
+            (the cached ones excluded).
+        generation_tokens: tokens so far; generation_tps: their rate since the first token.
+        peak_memory_gb: MLX's peak allocation (the process's peak RSS on the CPU backend).
+        stop_sequence: the stop string that ended generation, if one did.
+        logprobs: one `TokenLogprob` per token in `tokens`, when `top_logprobs` is set.
+        cached_tokens: prompt tokens the prompt cache supplied (not prefilled).
+    """
 
     text: str
     tokens: list[int]
@@ -73,9 +88,9 @@ class GenerationEvent:
     generation_tokens: int
     generation_tps: float
     peak_memory_gb: float
-    stop_sequence: str | None = None  # the stop string that ended generation, if one did
-    logprobs: list[TokenLogprob] | None = None  # one per token in `tokens`, when asked for
-    cached_tokens: int = 0  # prompt tokens a prompt cache supplied (not prefilled)
+    stop_sequence: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0
 
 
 @dataclass
