@@ -93,6 +93,9 @@ def test_convert_gguf_then_errors(tmp_path):
     assert_one_line_error(invoke("convert", src, tmp_path / "out"), "already exists", "--overwrite")
     assert_one_line_error(invoke("convert", src, tmp_path / "q3", "-q", "3"), "bits must be 4 or 8, got 3")
     assert_one_line_error(invoke("convert", tmp_path / "missing.gguf", tmp_path / "o2"), "does not exist")
+    # not a path: resolved as `dflash2 run` resolves MODEL, so an unknown name says what is known
+    assert_one_line_error(invoke("convert", "smollm2-dem", tmp_path / "o3"), "unknown model 'smollm2-dem'",
+                          "smollm2-demo")
     assert_one_line_error(invoke("convert", "org/uncached", tmp_path / "o3"), "not in the Hugging Face cache")
     q = invoke("convert", tmp_path / "out", tmp_path / "q4", "-q", "4", "--group-size", "32", "--json")
     assert q.exit_code == 0, q.output

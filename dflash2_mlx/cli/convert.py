@@ -47,11 +47,11 @@ def convert(
     from ..paths import dir_size, human_bytes
 
     source = Path(src).expanduser()
-    if not source.exists():
-        if hub.looks_like_path(src) or not hub.is_repo_id(src):
-            raise ResolveError(f"source {src!r} does not exist (expected a .gguf file, a model directory "
-                               "or a Hugging Face repo id)")
-        source = hub.fetch_repo(src, "model", progress=not json_out)
+    if not source.exists():  # an alias or a repo id, resolved as `dflash2 run` resolves MODEL
+        if hub.looks_like_path(src):
+            raise ResolveError(f"source {src!r} does not exist (expected a .gguf file, a model directory, "
+                               "an alias or a Hugging Face repo id)")
+        source = hub.target_dir(src, progress=not json_out)
     elif source.is_file() and source.suffix.lower() != ".gguf":
         raise ResolveError(f"source {src!r} is a file but not a .gguf file")
     result = conv.convert(source, Path(out).expanduser(), q_bits=q_bits, group_size=group_size, dtype=dtype,
