@@ -105,6 +105,7 @@ class GenerationResult:
     generation_tps: float
     peak_memory_gb: float
     cycles: list[CycleStats] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens a prompt cache supplied
 
     @property
     def speculative_cycles(self) -> list[CycleStats]:
@@ -567,6 +568,7 @@ def collect(events, on_text=None) -> GenerationResult:
         text="".join(text), tokens=tokens, finish_reason=last.finish_reason,
         prompt_tokens=last.prompt_tokens, prompt_tps=last.prompt_tps,
         generation_tps=last.generation_tps, peak_memory_gb=last.peak_memory_gb, cycles=cycles,
+        cached_tokens=last.cached_tokens,
     )
 
 

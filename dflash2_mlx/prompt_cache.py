@@ -181,3 +181,105 @@ def _snap_bytes(snap) -> int:
     if kind == "window" and state is not None:
         return state[0].nbytes + state[1].nbytes
     return 0  # offsets cost nothing; recurrent snapshots share arrays the cache may still hold
+
+
+# -- on disk ----------------------------------------------------------------------------------
+
+FORMAT = "dflash2-prompt-cache/1"
+
+
+def save_prompt_cache(path, cache: PromptCache) -> None:
+    """Write `cache` to a `.safetensors` file (mlx-lm's `save_prompt_cache` convention: arrays
+    plus string metadata). The mark is not kept: a loaded cache trims what trims exactly, and
+    recurrent state only grows from where it was saved."""
+    import json
+
+    import mlx.core as mx
+
+    from .paths import atomic_path
+
+    arrays, layers = {}, []
+    for i, c in enumerate(cache.target_cache):
+        layers.append(_pack(f"target.{i}", c, arrays))
+    context = None
+    if cache.context is not None:
+        ctx = cache.context
+        context = {"layers": [_pack(f"context.{i}", c, arrays) for i, c in enumerate(ctx.cache)],
+                   "n_tokens": ctx.n_tokens, "n_pending": len(ctx.pending)}
+        arrays.update({f"pending.{j}": h for j, h in enumerate(ctx.pending)})
+    meta = {"format": FORMAT, "tokens": cache.tokens, "prompt_len": cache.prompt_len, "reserve": cache.reserve,
+            "kv_bits": cache.kv_bits, "target": cache.target.path, "layers": layers, "context": context,
+            "drafter": getattr(cache.drafter, "path", None) if cache.drafter is not None else None}
+    with atomic_path(path) as tmp:
+        mx.save_safetensors(str(tmp), arrays, {"dflash2": json.dumps(meta)})
+
+
+def load_prompt_cache(path, target, drafter=None) -> PromptCache:
+    """A `PromptCache` read back from `save_prompt_cache`'s file; a ConfigError names what does
+    not match (another target or drafter, another cache layout)."""
+    import json
+
+    import mlx.core as mx
+
+    try:
+        arrays, info = mx.load(str(path), return_metadata=True)
+        meta = json.loads(info["dflash2"])
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise ConfigError(f"{path} is not a dflash2 prompt cache: {e}") from e
+    if meta.get("format") != FORMAT:
+        raise ConfigError(f"{path} has prompt cache format {meta.get('format')!r}, this version reads {FORMAT!r}")
+    drafter_path = getattr(drafter, "path", None) if drafter is not None else None
+    if meta["target"] != target.path or meta["drafter"] != drafter_path:
+        raise ConfigError(f"{path} caches target {meta['target']} with drafter {meta['drafter']}, not "
+                          f"{target.path} with {drafter_path}")
+    cache = PromptCache(target, drafter, reserve=meta["reserve"], kv_bits=meta["kv_bits"])
+    _unpack_all(path, "target", cache.target_cache, meta["layers"], arrays)
+    if drafter is not None:
+        ctx = meta["context"]
+        _unpack_all(path, "context", cache.context.cache, ctx["layers"], arrays)
+        cache.context.pending = [arrays[f"pending.{j}"] for j in range(ctx["n_pending"])]
+        cache.context.n_tokens = ctx["n_tokens"]
+    cache.tokens, cache.prompt_len = list(meta["tokens"]), meta["prompt_len"]
+    return cache
+
+
+def _pack(prefix: str, c, arrays: dict) -> dict:
+    """Layer `c`'s scalars (returned) and arrays (into `arrays`, under `prefix`)."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    kind = type(c).__name__
+    if isinstance(c, RecurrentCache):
+        arrays.update({f"{prefix}.{j}": a for j, a in enumerate(c.cache) if a is not None})
+        return {"kind": kind, "n": len(c.cache)}
+    if c.keys is None:
+        return {"kind": kind, "offset": 0, "empty": True}
+    n = c.n_stored if isinstance(c, WindowKVCache) else c.offset
+    parts = (c.keys + c.values) if isinstance(c, QuantizedKVCache) else (c.keys, c.values)
+    arrays.update({f"{prefix}.{j}": a[..., :n, :] for j, a in enumerate(parts)})
+    return {"kind": kind, "offset": c.offset, "n": n, "parts": len(parts)}
+
+
+def _unpack_all(path, prefix: str, caches: list, layers: list[dict], arrays: dict) -> None:
+    kinds = [type(c).__name__ for c in caches]
+    if kinds != [layer["kind"] for layer in layers]:
+        raise ConfigError(f"{path} holds caches {[layer['kind'] for layer in layers]}, this pair makes {kinds}")
+    for i, (c, layer) in enumerate(zip(caches, layers)):
+        _unpack(c, layer, [arrays.get(f"{prefix}.{i}.{j}") for j in range(layer.get("parts", layer.get("n", 0)))])
+
+
+def _unpack(c, layer: dict, parts: list) -> None:
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    if isinstance(c, RecurrentCache):
+        c.cache = parts
+        return
+    if layer.get("empty"):
+        return
+    if isinstance(c, QuantizedKVCache):
+        half = len(parts) // 2
+        c.keys, c.values = tuple(parts[:half]), tuple(parts[half:])
+    else:
+        c.keys, c.values = parts
+    c.offset = layer["offset"]
+    if isinstance(c, WindowKVCache):
+        c.n_stored = layer["n"]

@@ -68,7 +68,9 @@ class Session:
         """Token ids for a prompt string or a list of chat messages; `template` holds more
         chat-template variables (`think` is `enable_thinking`)."""
         tok = self.target.tokenizer
-        if isinstance(prompt, str) and (raw or not getattr(tok, "chat_template", None)):
+        # Raw text as asked, or for a model without a template (mlx-lm's way) unless a system
+        # prompt must go in: then the plain transcript carries it.
+        if isinstance(prompt, str) and (raw or not (getattr(tok, "chat_template", None) or system)):
             return encode_prompt(tok, prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         kwargs = dict(template or {})
@@ -160,6 +162,7 @@ def result_to_json(session: Session, result: GenerationResult) -> dict:
         "acceptance_by_position": result.acceptance_by_position(),
         "accepted_histogram": result.accepted_histogram(),
         "prompt_tokens": result.prompt_tokens,
+        "cached_tokens": result.cached_tokens,
         "prompt_tps": result.prompt_tps,
         "decode_tps": result.generation_tps,
         "peak_memory_gb": result.peak_memory_gb,
@@ -170,6 +173,8 @@ def render_stats_line(session: Session, result: GenerationResult) -> str:
     """One line after a plain `dflash2 run`: speed, τ and acceptance by block position."""
     parts = [f"{len(result.tokens)} tokens", f"{result.generation_tps:.1f} tok/s",
              f"prompt {result.prompt_tps:.0f} tok/s"]
+    if result.cached_tokens:
+        parts.append(f"{result.cached_tokens} of {result.prompt_tokens} prompt tokens cached")
     if session.drafter is None:
         parts.append("plain decoding (no drafter)")
     else:

@@ -13,7 +13,7 @@ from real_assets import smollm2_gguf
 
 JSON_FIELDS = {
     "model", "target", "drafter", "notes", "text", "token_ids", "n_tokens", "finish_reason", "tau", "cycles",
-    "speculative_cycles", "acceptance_by_position", "accepted_histogram", "prompt_tokens", "prompt_tps",
+    "speculative_cycles", "acceptance_by_position", "accepted_histogram", "prompt_tokens", "cached_tokens", "prompt_tps",
     "decode_tps", "peak_memory_gb",
 }
 
@@ -33,6 +33,22 @@ def test_json_has_every_field_and_plain_decoding_matches(pair, isolated):
     assert sum(spec["accepted_histogram"]) == spec["speculative_cycles"]
     assert plain["drafter"] is None and plain["speculative_cycles"] == 0
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+
+
+def test_a_prompt_cache_file_is_made_then_reused_with_the_same_output(pair, isolated):
+    target, drafter = pair
+    file = isolated / "doc.safetensors"
+    args = ("--drafter", drafter, "-n", "12", "--block-size", "4", "--system", "Read this. " * 8)
+    first = run_json(target, "Hello world", *args, "--prompt-cache", file)
+    assert first["cached_tokens"] == 0 and file.exists()
+    again = run_json(target, "Hello there", *args, "--prompt-cache", file)
+    cold = run_json(target, "Hello there", *args)
+    assert again["token_ids"] == cold["token_ids"] and cold["cached_tokens"] == 0
+    # no chat template here: a transcript, whose system part (one token per character) is shared
+    assert again["cached_tokens"] >= len("Read this. " * 8)
+    other = CliRunner().invoke(app, ["run", str(target), "Hi", "--drafter", "none", "--prompt-cache", str(file)])
+    last = other.stderr.strip().splitlines()[-1]  # (after the slow-BLAS warning of an in-process run)
+    assert other.exit_code != 0 and last.startswith("error: ") and "caches target" in last
 
 
 def test_text_mode_prints_text_then_a_stats_line(pair, isolated):

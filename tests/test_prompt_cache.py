@@ -152,3 +152,23 @@ def test_nbytes_counts_the_caches():
     cache.reset()
     assert cache.nbytes == 0 and cache.tokens == []
     mx.eval()
+
+
+def test_a_saved_and_loaded_cache_continues_exactly(target, tmp_path):
+    from dflash2_mlx.prompt_cache import load_prompt_cache, save_prompt_cache
+
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    drafter.path = "tiny-drafter"
+    cache = PromptCache(target, drafter)
+    first = _hot(target, drafter, P1, cache)
+    save_prompt_cache(tmp_path / "c.safetensors", cache)
+    loaded = load_prompt_cache(tmp_path / "c.safetensors", target, drafter)
+    assert loaded.tokens == cache.tokens and loaded.nbytes > 0
+    prompt = P1 + first + USER2
+    assert _hot(target, drafter, prompt, loaded) == _cold(target, drafter, prompt)
+    assert loaded.last_reuse.n_cached == len(cache.tokens)
+    with pytest.raises(ConfigError, match="not tiny-"):
+        load_prompt_cache(tmp_path / "c.safetensors", target, None)
+    (tmp_path / "bad.safetensors").write_bytes(b"nonsense")
+    with pytest.raises(ConfigError, match="not a dflash2 prompt cache"):
+        load_prompt_cache(tmp_path / "bad.safetensors", target, drafter)

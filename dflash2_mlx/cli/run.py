@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
@@ -58,6 +59,10 @@ def run(
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt for the chat template.")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed PROMPT as raw text.")] = False,
     think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that have one.")] = None,
+    prompt_cache: Annotated[Optional[Path], typer.Option(
+        "--prompt-cache", metavar="FILE", help="Start from the caches saved in FILE for the prefix the prompt "
+                                               "shares with them (a long system prompt, a document) and save "
+                                               "them back after the reply; made when absent.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
     from .. import hub
@@ -73,18 +78,35 @@ def run(
     if ready and not json_out:
         typer.echo(f"note: {ready}", err=True)
     template = dict(system=system, raw=no_chat_template, think=think)
+    cache = _open_cache(session, prompt_cache)
     if prompt is None:
         if json_out or not sys.stdin.isatty():
             prompt = sys.stdin.read()
         else:
-            return _chat(session, sampling, max_tokens, template)
+            return _chat(session, sampling, max_tokens, template, cache)
     if json_out:
-        result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, **template)
+        result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, prompt_cache=cache, **template)
+    else:
+        result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, on_text=_write,
+                                  prompt_cache=cache, **template)
+    if prompt_cache is not None:
+        from ..prompt_cache import save_prompt_cache
+
+        save_prompt_cache(prompt_cache, cache)
+    if json_out:
         print_json(result_to_json(session, result))
         return
-    result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, on_text=_write, **template)
     sys.stdout.write("\n")
     typer.echo(render_stats_line(session, result), err=True)
+
+
+def _open_cache(session, path):
+    """The --prompt-cache file's cache (a fresh one when absent), else a fresh one for a chat."""
+    if path is not None and path.exists():
+        from ..prompt_cache import load_prompt_cache
+
+        return load_prompt_cache(path, session.target, session.drafter)
+    return session.prompt_cache()
 
 
 def _write(text: str) -> None:
@@ -92,7 +114,7 @@ def _write(text: str) -> None:
     sys.stdout.flush()
 
 
-def _chat(session, sampling, max_tokens, template) -> None:
+def _chat(session, sampling, max_tokens, template, cache) -> None:
     from ..session import render_stats_line
 
     typer.echo(f"Chatting with {session.describe()}. /reset clears the history, /exit quits.", err=True)
@@ -106,12 +128,15 @@ def _chat(session, sampling, max_tokens, template) -> None:
             break
         if line == "/reset":
             history.clear()
+            cache.reset()
             typer.echo("(history cleared)", err=True)
             continue
         if not line:
             continue
         history.append({"role": "user", "content": line})
-        result = session.generate(history, sampling=sampling, max_tokens=max_tokens, on_text=_write, **template)
+        # the cache keeps the conversation's caches: each turn prefills only the new message
+        result = session.generate(history, sampling=sampling, max_tokens=max_tokens, on_text=_write,
+                                  prompt_cache=cache, **template)
         sys.stdout.write("\n")
         typer.echo(render_stats_line(session, result), err=True)
         history.append({"role": "assistant", "content": result.text})

@@ -208,8 +208,10 @@ class Drafter(nn.Module):
 
     def begin(self, reserve: int = 0) -> DraftContext:
         """An empty context for a new sequence; `reserve` rows more per sliding layer let a
-        prompt cache drop that many tokens exactly once the window is full."""
-        return DraftContext(self.make_cache(reserve), self.config.context_limit)
+        prompt cache drop that many tokens exactly once the window is full (rows past the
+        window are masked, so drafts are unchanged)."""
+        limit = self.config.context_limit
+        return DraftContext(self.make_cache(reserve), limit + reserve if limit is not None else None)
 
     def _require_target(self):
         if self.target is None:
