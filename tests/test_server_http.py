@@ -1,7 +1,7 @@
 """`dflash2 serve` as a real process: OpenAI SDK, Ollama NDJSON, load, disconnects, bad input.
 
 Two servers on the tiny pair: `server` (API key, small caps, for the API, load and fuzz
-tests) and `small` (--max-concurrency 2, for queueing, cancellation and shutdown).
+tests) and `small` (--max-concurrency 2, --max-batch 1, for queueing, cancellation and shutdown).
 """
 
 from __future__ import annotations
@@ -343,8 +343,9 @@ def test_schemathesis_coverage_finds_no_5xx(server, tmp_path):
 @pytest.fixture(scope="module")
 def small(pair, tmp_path_factory):
     log = tmp_path_factory.mktemp("logs") / "small.log"
+    # --max-batch 1: one request at a time, so the second one queues (batching: test_server_batch.py)
     with ServerProcess(*pair, "--max-concurrency", "2", "--max-tokens-cap", "2000", "--shutdown-timeout", "20",
-                       log_path=log) as proc:
+                       "--max-batch", "1", log_path=log) as proc:
         yield proc
 
 

@@ -82,6 +82,11 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", min=16,
                                                help="Prompt tokens per prefill step; a client that leaves "
                                                     "is noticed between steps.")] = 512,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1,
+                                           help="Requests decoding together: the first in flight runs "
+                                                "alone with speculation, those arriving meanwhile join "
+                                                "one batch of plain decoding (1: strictly one at a "
+                                                "time).")] = 8,
     prompt_cache_bytes: Annotated[str, typer.Option("--prompt-cache-bytes", metavar="SIZE",
                                                     help="Memory for the prefix cache: the caches of recent "
                                                          "conversations, so a request resending a history "
@@ -103,6 +108,7 @@ def serve(
                           default_temperature=temp, shutdown_timeout=shutdown_timeout, log_level=log_level,
                           max_connections=max_connections, read_timeout=read_timeout, prefill_chunk=prefill_chunk,
                           prompt_cache_bytes=parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes"),
+                          max_batch=max_batch,
                           allowed_hosts=tuple(allowed_host or ()), cors_origins=tuple(cors_origin or ()))
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
         typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "

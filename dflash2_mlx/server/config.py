@@ -18,6 +18,7 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_READ_TIMEOUT = 15.0
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
+DEFAULT_MAX_BATCH = 8
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -48,6 +49,7 @@ class ServerConfig:
         prefill_chunk: prompt tokens per prefill step; a cancel is seen between steps.
         prompt_cache_bytes: bytes of reusable prompt caches kept between requests (the prefix
             cache; 0 turns it off).
+        max_batch: most requests decoding together while another runs solo (1: one at a time).
     """
 
     host: str = DEFAULT_HOST
@@ -67,6 +69,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    max_batch: int = DEFAULT_MAX_BATCH
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -91,6 +94,8 @@ class ServerConfig:
             raise ConfigError(f"--read-timeout must be > 0 seconds, got {self.read_timeout}")
         if self.prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
+        if self.max_batch < 1:
+            raise ConfigError(f"--max-batch must be >= 1, got {self.max_batch}")
         if self.prompt_cache_bytes < 0:
             raise ConfigError(f"--prompt-cache-bytes must be >= 0, got {self.prompt_cache_bytes}")
         for origin in self.cors_origins:

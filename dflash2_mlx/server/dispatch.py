@@ -90,7 +90,7 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     pool = PromptCachePool(session.prompt_cache, config.prompt_cache_bytes)
     metrics = Metrics({"model": name, "drafter": str(drafter or "none"), "version": __version__}, prompt_caches=pool)
     worker = GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk,
-                              pool if pool.enabled else None)
+                              pool if pool.enabled else None, config.max_batch)
     return ServerState(
         session=session, config=config, worker=worker,
         metrics=metrics, model_name=name, aliases=frozenset({name, *extra_aliases}),

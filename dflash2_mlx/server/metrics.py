@@ -57,6 +57,8 @@ class Metrics:
         self.max_events_after_cancel = 0
         self.depth = 0
         self.running = 0
+        self.batch = 0
+        self.batch_max = 0
         self.prefill_done = 0
         self.prefill_total = 0
         self.prefill_chunks = 0
@@ -73,6 +75,12 @@ class Metrics:
         with self._lock:
             self.depth = depth
 
+    def batch_size(self, n: int) -> None:
+        """Rows decoding together in the batch now (the solo job not counted)."""
+        with self._lock:
+            self.batch = n
+            self.batch_max = max(self.batch_max, n)
+
     def prefill(self, done: int, total: int) -> None:
         """The running job's prompt progress (0/0 when none is prefilling)."""
         with self._lock:
@@ -81,8 +89,8 @@ class Metrics:
 
     def job_started(self, job) -> None:
         with self._lock:
-            self.running = 1
             self._job_started[job.id] = time.perf_counter()
+            self.running = len(self._job_started)
 
     def job_ended(self, job) -> None:
         s = job.stats
@@ -90,7 +98,7 @@ class Metrics:
         with self._lock:
             started = self._job_started.pop(job.id, None)
             if started is not None:
-                self.running = 0
+                self.running = len(self._job_started)
                 self.prefill_done = self.prefill_total = 0
                 self.job_seconds += time.perf_counter() - started
             self.jobs[outcome] += 1
@@ -157,8 +165,10 @@ class Metrics:
             ("dflash2_queue_wait_seconds_total", "counter", "Seconds jobs waited in the queue.",
              [({}, round(self.queue_wait_seconds, 6))]),
             ("dflash2_queue_depth", "gauge", "Jobs waiting for the generation worker.", [({}, self.depth)]),
-            ("dflash2_requests_running", "gauge", "Jobs the generation worker is running (0 or 1).",
+            ("dflash2_requests_running", "gauge", "Jobs the generation worker is running (solo and batched).",
              [({}, self.running)]),
+            ("dflash2_batch_size", "gauge", "Jobs decoding together in the plain batch now.", [({}, self.batch)]),
+            ("dflash2_batch_size_max", "gauge", "The largest batch so far.", [({}, self.batch_max)]),
             ("dflash2_prefill_tokens_done", "gauge", "Prompt tokens of the running job prefilled so far.",
              [({}, self.prefill_done)]),
             ("dflash2_prefill_tokens_total", "gauge", "Prompt tokens of the running job (0 when idle).",

@@ -2,11 +2,13 @@
 
 Requests become `Job`s (token ids + sampling + limits). `GenerationWorker.submit` admits a
 job only while fewer than `capacity` jobs are waiting or running, else raises `QueueFull`
-(the app answers 429 with Retry-After). The thread runs one job at a time in arrival order
-and posts each engine event to the job's asyncio queue on the event loop. A cancelled job
-stops at the next cycle: the worker checks the flag after every event and closes the
-generator, so at most one cycle runs after `cancel`; during prefill the flag is checked
-before each `prefill_chunk` of the prompt. A job cut by shutdown ends with a 503 failure, so
+(the app answers 429 with Retry-After). The thread takes jobs in arrival order: one runs
+*solo* on the single-stream engine (speculative decoding, the prefix cache); jobs that arrive
+while others run join the *batch* (`batch.py`, at most `max_batch` rows) when they can, and
+the thread alternates one solo cycle with one batch step. Each engine event is posted to its
+job's asyncio queue on the event loop. A cancelled job stops at the next cycle or step: the
+worker checks the flag after every event, so at most one cycle runs after `cancel`; during a
+solo prefill the flag is checked before each `prefill_chunk` of the prompt. A job cut by shutdown ends with a 503 failure, so
 its client sees an error rather than a truncated reply.
 """
 
@@ -198,17 +200,20 @@ class GenerationWorker:
         capacity: most jobs admitted at once (running included).
         metrics: a `Metrics` told about each job's start and end (optional).
         prompt_caches: a `PromptCachePool` (the prefix cache), or None for cold prompts.
+        max_batch: most jobs decoding together in the batch (1: one job at a time).
     """
 
-    def __init__(self, session, capacity: int, metrics=None, prefill_chunk: int = 512, prompt_caches=None):
+    def __init__(self, session, capacity: int, metrics=None, prefill_chunk: int = 512, prompt_caches=None,
+                 max_batch: int = 1):
         self.session = session
         self.prompt_caches = prompt_caches
+        self.max_batch = max_batch
         self.capacity = capacity
         self.metrics = metrics
         self.prefill_chunk = prefill_chunk
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
-        self._running: Job | None = None
+        self._running: list[Job] = []
         self._accepting = True
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="dflash2-generation", daemon=True)
@@ -225,7 +230,7 @@ class GenerationWorker:
 
     @property
     def busy(self) -> bool:
-        return self._running is not None
+        return bool(self._running)
 
     @property
     def accepting(self) -> bool:
@@ -235,7 +240,7 @@ class GenerationWorker:
         """Block until no job waits or runs, at most `timeout` seconds; whether it got idle."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._waiting or self._running is not None:
+            while self._waiting or self._running:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
@@ -247,7 +252,7 @@ class GenerationWorker:
         with self._cond:
             if not self._accepting:
                 raise ServerClosing()
-            in_flight = len(self._waiting) + (self._running is not None)
+            in_flight = len(self._waiting) + len(self._running)
             if in_flight >= self.capacity:
                 raise QueueFull(in_flight, self.capacity)
             self._waiting.append(job)
@@ -278,41 +283,69 @@ class GenerationWorker:
             self._accepting = False
 
     def close(self, timeout: float | None = 30.0) -> None:
-        """Refuse new jobs, fail the waiting ones (503), cancel the running one, join."""
+        """Refuse new jobs, fail the waiting ones (503), cancel the running ones, join."""
         with self._cond:
             self._accepting = False
             self._stopped = True
             waiting, self._waiting = list(self._waiting), collections.deque()
-            running = self._running
+            running = list(self._running)
             self._cond.notify_all()
         for job in waiting:
             job.post(Failed(503, "server is shutting down", "server_error"))
-        if running is not None:
-            self.cancel(running)
+        for job in running:
+            self.cancel(job)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     # -- the thread ---------------------------------------------------------------------
 
-    def _next(self) -> Job | None:
+    def _admit(self, solo_busy: bool, n_batch: int) -> tuple[Job | None, list[Job]]:
+        """(a job to run solo, jobs to add to the batch), taken in arrival order; blocks while
+        there is nothing to do."""
+        from .batch import batchable
+
+        solo, joining = None, []
         with self._cond:
-            while not self._waiting and not self._stopped:
+            while not self._waiting and not self._running and not self._stopped:
                 self._cond.wait()
-            if self._stopped:
-                return None
-            self._running = self._waiting.popleft()
-            return self._running
+            while self._waiting and not self._stopped:
+                job = self._waiting[0]
+                if not solo_busy and solo is None:
+                    solo = job
+                elif self.max_batch > 1 and batchable(job) and n_batch + len(joining) < self.max_batch:
+                    joining.append(job)
+                else:
+                    break  # the head waits, and everything behind it: arrival order is kept
+                self._running.append(self._waiting.popleft())
+        return solo, joining
 
     def _loop(self) -> None:
-        while (job := self._next()) is not None:
-            try:
-                self._run(job)
-            finally:
-                with self._cond:
-                    self._running = None
-                    self._cond.notify_all()
-                if self.metrics is not None:
-                    self.metrics.queue_depth(self.depth)
+        solo, batch = None, None
+        while True:
+            new_solo, joining = self._admit(solo is not None, len(batch or ()))
+            if new_solo is not None:
+                solo = self._solo(new_solo)
+            if joining:
+                batch = batch or self._new_batch()
+                for job in joining:
+                    self._start(job)
+                    batch.add(job)
+            if solo is not None and next(solo, "done") == "done":
+                solo = None
+            if batch:
+                self._step_batch(batch)
+            if batch is not None and not batch:
+                batch = None  # drained: the next one starts fresh (and the memory goes back)
+            if self.metrics is not None:
+                self.metrics.queue_depth(self.depth)
+                self.metrics.batch_size(len(batch or ()))
+            if self._stopped and solo is None and not batch:
+                return
+
+    def _new_batch(self):
+        from .batch import BatchRun
+
+        return BatchRun(self.session.target, self.max_batch, self.prefill_chunk)
 
     def _on_prefill(self, job: Job):
         def progress(done: int, total: int) -> bool:
@@ -322,12 +355,34 @@ class GenerationWorker:
 
         return progress
 
-    def _run(self, job: Job) -> None:
-        stats = job.stats
-        stats.started_at = time.perf_counter()
-        stats.queued_ms = 1e3 * (stats.started_at - job.submitted_at)
+    def _start(self, job: Job) -> None:
+        job.stats.started_at = time.perf_counter()
+        job.stats.queued_ms = 1e3 * (job.stats.started_at - job.submitted_at)
         if self.metrics is not None:
             self.metrics.job_started(job)
+
+    def _end(self, job: Job) -> None:
+        with self._cond:
+            if job in self._running:
+                self._running.remove(job)
+            self._cond.notify_all()
+        if self.metrics is not None:
+            self.metrics.job_ended(job)
+
+    def _finish(self, job: Job) -> None:
+        """Post the end of a job that ran to its end or was cancelled."""
+        stats = job.stats
+        if job.cancelled.is_set():
+            stats.cancelled = True
+            stats.events_after_cancel = stats.n_events - (job.events_at_cancel or 0)
+        if stats.cancelled and self._stopped:  # cut by shutdown: the client must see an error
+            job.post(Failed(503, "the server shut down before this reply finished", "server_error"))
+        else:
+            job.post(Finished(stats))
+
+    def _solo(self, job: Job):
+        """Run `job` on the single-stream engine; yields after each event (one cycle)."""
+        self._start(job)
         cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
         try:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
@@ -336,10 +391,11 @@ class GenerationWorker:
                                          prefill_step_size=self.prefill_chunk, prompt_cache=cache)
             try:
                 for event in events:
-                    stats.observe(event)
+                    job.stats.observe(event)
                     job.post(event)
                     if job.cancelled.is_set():
                         break
+                    yield
             finally:
                 events.close()
         except DFlashError as e:
@@ -348,15 +404,33 @@ class GenerationWorker:
             log.exception("generation failed for request %s", job.id)
             job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
         else:
-            if job.cancelled.is_set():
-                stats.cancelled = True
-                stats.events_after_cancel = stats.n_events - (job.events_at_cancel or 0)
-            if stats.cancelled and self._stopped:  # cut by shutdown: the client must see an error
-                job.post(Failed(503, "the server shut down before this reply finished", "server_error"))
-            else:
-                job.post(Finished(stats))
+            self._finish(job)
         finally:
             if self.prompt_caches is not None:
                 self.prompt_caches.checkin(cache)
-            if self.metrics is not None:
-                self.metrics.job_ended(job)
+            self._end(job)
+
+    def _step_batch(self, batch) -> None:
+        """Drop cancelled rows, run one batch step, post its events."""
+        for row in list(batch.rows.values()):
+            if row.job.cancelled.is_set():
+                batch.remove(row.job)
+                self._finish(row.job)
+                self._end(row.job)
+        if not batch:
+            return
+        try:
+            produced = batch.step()
+        except Exception as e:  # noqa: BLE001 - a bug must reach every client as a 500, not kill the worker
+            log.exception("batched generation failed")
+            for row in list(batch.rows.values()):
+                row.job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+                self._end(row.job)
+            batch.rows.clear()
+            return
+        for job, event in produced:
+            job.stats.observe(event)
+            job.post(event)
+            if event.finish_reason is not None:
+                self._finish(job)
+                self._end(job)

@@ -1,0 +1,117 @@
+"""Concurrent requests: the first runs solo (speculative), the rest decode in one batch.
+
+In-process worker over tiny targets of every cache kind the batch must carry (KV, sliding
+window, recurrent): rows join while others run, finish at different lengths, sample at their
+own temperature, and one is cancelled; every greedy row equals its single-stream output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from tiny import tiny_drafter, tiny_target
+
+from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.server.batch import batchable
+from dflash2_mlx.server.metrics import Metrics, parse
+from dflash2_mlx.server.worker import GenerationWorker, Job
+
+PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 30], [1, 61, 62, 63, 64],
+           [1, 12, 13, 14, 15, 16, 17]]
+LENGTHS = [40, 12, 25, 18, 30, 22]
+
+
+def _session(family, arch):
+    target = tiny_target(family)
+    spec = SimpleNamespace(name=f"tiny-{family}", target="/nowhere", drafter="/nowhere", defaults={}, notes=[])
+    from dflash2_mlx.session import Session
+
+    return Session(spec=spec, target=target, drafter=tiny_drafter(target, arch, block_size=4), block_size=None)
+
+
+async def _drain(job):
+    return [e async for e in job.events()]
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "gemma3_text"])
+def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch):
+    session = _session(family, arch)
+    metrics = Metrics()
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(session, capacity=16, metrics=metrics, max_batch=4)
+        worker.start()
+        jobs = [Job(PROMPTS[0], SamplingParams(), LENGTHS[0], [], loop)]
+        worker.submit(jobs[0])
+        first = jobs[0].events()
+        head = await first.__anext__()  # the solo job is running; the others arrive while it does
+        for p, n in zip(PROMPTS[1:], LENGTHS[1:]):
+            jobs.append(Job(p, SamplingParams(), n, [], loop))
+        jobs.append(Job(PROMPTS[1], SamplingParams(temperature=0.8), 20, [], loop))  # sampled row
+        cancelled = Job(PROMPTS[2], SamplingParams(), 200, [], loop)
+        for job in jobs[1:] + [cancelled]:
+            worker.submit(job)
+        drains = [asyncio.ensure_future(_drain(job)) for job in jobs[1:]]
+        seen = 0
+        async for _ in cancelled.events():
+            seen += 1
+            if seen == 3:
+                worker.cancel(cancelled)
+        results = [[head] + [e async for e in first]] + [await d for d in drains]
+        worker.close()
+        return jobs, results, cancelled
+
+    jobs, results, cancelled = asyncio.run(main())
+    for job, events, n in zip(jobs, results, LENGTHS):
+        tokens = [t for e in events for t in e.tokens]
+        assert tokens == session.generate(job.prompt_ids, max_tokens=n).tokens
+        if job is not jobs[0]:
+            assert len(events) == n and job.stats.n_speculative == 0  # one token per step: batched
+    assert jobs[0].stats.n_speculative > 0  # the first ran alone, speculatively
+    sampled = [t for e in results[-1] for t in e.tokens]
+    assert len(sampled) == 20 and jobs[-1].stats.finish_reason == "length"
+    assert cancelled.stats.cancelled and cancelled.stats.events_after_cancel <= 1
+    counts = parse(metrics.render())
+    assert counts["dflash2_batch_size_max"] == 4 and counts['dflash2_jobs_total{outcome="completed"}'] == len(jobs)
+
+
+def test_what_needs_the_single_stream_engine_is_not_batched():
+    loop = SimpleNamespace()
+    plain = Job([1], SamplingParams(temperature=0.5), 4, [], loop)
+    assert batchable(plain)
+    for sampling in (SamplingParams(seed=1), SamplingParams(repetition_penalty=1.2)):
+        assert not batchable(Job([1], sampling, 4, [], loop))
+    assert not batchable(Job([1], SamplingParams(), 4, [], loop, top_logprobs=2))
+    assert not batchable(Job([1], SamplingParams(), 4, [], loop, constraint=object()))
+
+
+def test_32_concurrent_streaming_clients_three_rounds_no_errors(tmp_path):
+    """A real `dflash2 serve`: 32 streaming clients at once, three rounds; every reply equals
+    the one the same prompt gets alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+    from test_server_harness import ServerProcess, metrics, write_pair
+
+    pair = write_pair(tmp_path / "pair")
+    with ServerProcess(*pair, "--max-concurrency", "64", log_path=tmp_path / "server.log") as server:
+        oa = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=300)
+
+        def ask(i: int) -> str:
+            stream = oa.chat.completions.create(model="tiny-llama", max_tokens=16, stream=True,
+                                                messages=[{"role": "user", "content": f"Count to {i % 7}"}])
+            return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+        alone = {k: ask(k) for k in range(7)}  # one at a time: each runs solo
+        with ThreadPoolExecutor(32) as pool:
+            for _ in range(3):
+                replies = list(pool.map(ask, range(32)))
+                assert replies == [alone[i % 7] for i in range(32)]
+        counts = metrics(server.url)
+        assert "Traceback" not in server.logs()
+    assert counts["dflash2_batch_size_max"] == 8 and counts['dflash2_jobs_total{outcome="failed"}'] == 0
+    assert counts['dflash2_jobs_total{outcome="completed"}'] == 7 + 96
