@@ -72,6 +72,8 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
         if job is not jobs[0]:
             assert len(events) == n and job.stats.n_speculative == 0  # one token per step: batched
     assert jobs[0].stats.n_speculative > 0  # the first ran alone, speculatively
+    # ... and, its caches being mlx-lm's KV caches (llama), moved into the batch once one formed
+    assert parse(metrics.render())["dflash2_solo_handoffs_total"] == (family == "llama")
     sampled = [t for e in results[-1] for t in e.tokens]
     assert len(sampled) == 20 and jobs[-1].stats.finish_reason == "length"
     assert cancelled.stats.cancelled and cancelled.stats.events_after_cancel <= 1

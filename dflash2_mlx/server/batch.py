@@ -28,6 +28,14 @@ def batchable(job) -> bool:
     return job.constraint is None and job.top_logprobs is None and s.seed is None and not penalties
 
 
+def can_adopt(cache) -> bool:
+    """Whether a single-stream reply's caches can move into the batch: mlx-lm's own KV caches
+    (the rolled-back window and recurrent kinds of the engine are not its batch kinds)."""
+    from mlx_lm.models.cache import KVCache
+
+    return cache is not None and all(type(c) is KVCache for c in cache.target_cache)
+
+
 def _sampler(s):
     from mlx_lm.sample_utils import make_sampler
 
@@ -67,6 +75,23 @@ class BatchRun:
                                        samplers=[_sampler(job.sampling)])
         stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(job.stop), job.max_tokens)
         self.rows[uid] = _Row(job, stopper, time.perf_counter())
+
+    def adopt(self, job, cache, emitted: list[int], sent: int) -> None:
+        """Continue a reply the single-stream engine started: `cache` (a `PromptCache` whose
+        target caches are plain KV caches, see `can_adopt`) covers a prefix of prompt +
+        `emitted`; `sent` characters of the text went out already."""
+        history = list(job.prompt_ids) + list(emitted)
+        n = len(cache.tokens)
+        if n >= len(history):  # the last token is in the cache (a queued plain step): feed it again
+            for c in cache.target_cache:
+                c.trim(n - len(history) + 1)
+            n = len(history) - 1
+        (uid,) = self.generator.insert([history[n:]], max_tokens=[job.max_tokens - len(emitted)],
+                                       caches=[cache.target_cache], samplers=[_sampler(job.sampling)])
+        stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(job.stop), job.max_tokens)
+        stopper.prime(emitted, sent)
+        now = time.perf_counter()
+        self.rows[uid] = _Row(job, stopper, now, first_at=job.stats.first_token_at or now)
 
     def remove(self, job) -> None:
         for uid, row in list(self.rows.items()):

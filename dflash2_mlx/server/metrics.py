@@ -59,6 +59,7 @@ class Metrics:
         self.running = 0
         self.batch = 0
         self.batch_max = 0
+        self.handoffs = 0
         self.prefill_done = 0
         self.prefill_total = 0
         self.prefill_chunks = 0
@@ -74,6 +75,11 @@ class Metrics:
     def queue_depth(self, depth: int) -> None:
         with self._lock:
             self.depth = depth
+
+    def handoff(self) -> None:
+        """A solo (speculative) reply moved into the batch."""
+        with self._lock:
+            self.handoffs += 1
 
     def batch_size(self, n: int) -> None:
         """Rows decoding together in the batch now (the solo job not counted)."""
@@ -169,6 +175,8 @@ class Metrics:
              [({}, self.running)]),
             ("dflash2_batch_size", "gauge", "Jobs decoding together in the plain batch now.", [({}, self.batch)]),
             ("dflash2_batch_size_max", "gauge", "The largest batch so far.", [({}, self.batch_max)]),
+            ("dflash2_solo_handoffs_total", "counter", "Speculative replies moved into the batch when one formed.",
+             [({}, self.handoffs)]),
             ("dflash2_prefill_tokens_done", "gauge", "Prompt tokens of the running job prefilled so far.",
              [({}, self.prefill_done)]),
             ("dflash2_prefill_tokens_total", "gauge", "Prompt tokens of the running job (0 when idle).",

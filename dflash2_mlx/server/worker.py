@@ -28,6 +28,9 @@ from ..stats import tau_from_counts
 log = logging.getLogger(__name__)
 
 
+_HANDOFF = object()  # sent into a solo run: stop and leave the reply to the batch
+
+
 class QueueFull(Exception):
     """The bounded queue is full; `depth` jobs are waiting or running."""
 
@@ -165,6 +168,8 @@ class Job:
     logprobs: list = field(default_factory=list)  # filled by a non-streaming collect
     submitted_at: float = field(default_factory=time.perf_counter)
     events_at_cancel: int | None = None
+    emitted: list = field(default_factory=list)  # tokens posted so far
+    sent_chars: int = 0  # characters of text posted so far
 
     def post(self, item) -> None:
         """Hand an event (or Finished/Failed) to the request's coroutine, from any thread."""
@@ -214,6 +219,8 @@ class GenerationWorker:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
+        self._solo_job = self._solo_cache = None  # the solo run's job and prompt cache
+        self._solo_yielded = False
         self._accepting = True
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="dflash2-generation", daemon=True)
@@ -330,6 +337,8 @@ class GenerationWorker:
                 for job in joining:
                     self._start(job)
                     batch.add(job)
+            if solo is not None and batch and self._hand_off(solo, batch):
+                solo = None
             if solo is not None and next(solo, "done") == "done":
                 solo = None
             if batch:
@@ -341,6 +350,21 @@ class GenerationWorker:
                 self.metrics.batch_size(len(batch or ()))
             if self._stopped and solo is None and not batch:
                 return
+
+    def _hand_off(self, solo, batch) -> bool:
+        """Move the solo reply into the batch when it can go there: one batch step then serves
+        every row, where alternating would time-slice them."""
+        from .batch import batchable, can_adopt
+
+        job, cache = self._solo_job, self._solo_cache
+        if job is None or not self._solo_yielded or not batchable(job) or not can_adopt(cache) or batch.full:
+            return False
+        solo.send(_HANDOFF)  # the engine stops at this event; its caches cover what was generated
+        solo.close()
+        batch.adopt(job, cache, job.emitted, job.sent_chars)
+        if self.metrics is not None:
+            self.metrics.handoff()
+        return True
 
     def _new_batch(self):
         from .batch import BatchRun
@@ -381,9 +405,15 @@ class GenerationWorker:
             job.post(Finished(stats))
 
     def _solo(self, job: Job):
-        """Run `job` on the single-stream engine; yields after each event (one cycle)."""
+        """Run `job` on the single-stream engine; yields after each event (one cycle). Sent
+        `_HANDOFF` at a yield, it stops the engine and leaves the job to the batch."""
         self._start(job)
-        cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
+        if self.prompt_caches is not None:
+            cache = self.prompt_caches.checkout(job.prompt_ids)
+        else:  # the batch may adopt this reply: its caches must outlive the engine's run
+            cache = self.session.prompt_cache() if self.max_batch > 1 else None
+        self._solo_job, self._solo_cache, self._solo_yielded = job, cache, False
+        handed = False
         try:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
@@ -393,9 +423,14 @@ class GenerationWorker:
                 for event in events:
                     job.stats.observe(event)
                     job.post(event)
-                    if job.cancelled.is_set():
+                    job.emitted.extend(event.tokens)
+                    job.sent_chars += len(event.text)
+                    if job.cancelled.is_set() or event.finish_reason is not None:
                         break
-                    yield
+                    self._solo_yielded = True
+                    if (yield) is _HANDOFF:
+                        handed = True
+                        break
             finally:
                 events.close()
         except DFlashError as e:
@@ -404,11 +439,16 @@ class GenerationWorker:
             log.exception("generation failed for request %s", job.id)
             job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
         else:
-            self._finish(job)
+            if not handed:
+                self._finish(job)
         finally:
-            if self.prompt_caches is not None:
-                self.prompt_caches.checkin(cache)
-            self._end(job)
+            self._solo_job = self._solo_cache = None
+            if not handed:
+                if self.prompt_caches is not None:
+                    self.prompt_caches.checkin(cache)
+                self._end(job)
+        if handed:
+            yield  # answers the send(_HANDOFF); the batch owns the job and its caches now
 
     def _step_batch(self, batch) -> None:
         """Drop cancelled rows, run one batch step, post its events."""

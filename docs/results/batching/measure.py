@@ -1,0 +1,135 @@
+"""Aggregate tok/s and per-request latency against concurrency: `dflash2 serve` vs `mlx_lm.server`.
+
+Both servers on the demo target side by side (the dflash2 CLI's fast BLAS preloaded for both),
+levels interleaved: at each concurrency C, C streaming clients start together on C different
+held-out prompts (MT-Bench first turns and GSM8K questions, alternating; bundled) with the chat template, greedy, `--max-tokens`
+each; aggregate tok/s = all completion tokens / the round's wall time; latency = request sent →
+last token. A warm-up round runs first on each server. Prints a table, writes JSON and a PNG.
+
+    .venv/bin/python docs/results/batching/measure.py --json docs/results/batching/result.json \\
+        --png docs/results/batching/throughput.png
+
+Run on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "prefix-cache"))
+from measure import BIN, blas_env, start  # noqa: E402  (the prefix-cache benchmark's server helpers)
+
+LEVELS = (1, 2, 4, 8, 16)
+
+
+def prompts(n: int) -> list[str]:
+    """n held-out prompts, alternating MT-Bench first turns and GSM8K questions (bundled samples)."""
+    from dflash2_mlx.prompts import load_suite
+
+    suites = [load_suite(name, (n + 1) // 2, bundled_only=True).prompts for name in ("mtbench", "gsm8k")]
+    return [p.text for pair in zip(*suites) for p in pair][:n]
+
+
+def one(client, model, text, max_tokens) -> dict:
+    t0 = time.perf_counter()
+    n, usage = 0, None
+    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
+                                            max_tokens=max_tokens, temperature=0.0, stream=True,
+                                            stream_options={"include_usage": True})
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        if chunk.choices and chunk.choices[0].delta.content:
+            n += 1
+    return {"latency_s": time.perf_counter() - t0, "tokens": usage.completion_tokens if usage else n}
+
+
+def round_(client, model, texts, max_tokens) -> dict:
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(texts)) as pool:
+        done = list(pool.map(lambda t: one(client, model, t, max_tokens), texts))
+    wall = time.perf_counter() - t0
+    tokens = sum(d["tokens"] for d in done)
+    return {"concurrency": len(texts), "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
+            "p50_latency_s": statistics.median(d["latency_s"] for d in done)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--logs", default="/tmp/batching-logs")
+    args = ap.parse_args()
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    from dflash2_mlx import hub
+
+    spec = hub.resolve(None, None)
+    env = blas_env()
+    servers = {"dflash2 serve": [str(BIN / "dflash2"), "serve", "--max-batch", str(args.max_batch)],
+               "mlx_lm.server": [str(BIN / "python"), "-m", "mlx_lm.server", "--model", str(spec.target)]}
+    texts = prompts(max(LEVELS))
+    procs, clients, models = {}, {}, {}
+    rows = {name: [] for name in servers}
+    try:
+        for i, (name, cmd) in enumerate(servers.items()):
+            url, procs[name] = start(f"server{i}", cmd, env, logs)
+            clients[name] = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=900)
+            models[name] = "default_model" if name == "mlx_lm.server" else clients[name].models.list().data[0].id
+        for name in servers:
+            round_(clients[name], models[name], texts[:4], 16)  # warm-up
+        for c in LEVELS:
+            for name in servers:
+                r = round_(clients[name], models[name], texts[:c], args.max_tokens)
+                rows[name].append(r)
+                print(f"{name:14s} C={c:2d} aggregate {r['aggregate_tps']:6.1f} tok/s  p50 latency "
+                      f"{r['p50_latency_s']:6.2f} s", flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(30)
+    report(rows, args)
+
+
+def report(rows: dict, args) -> None:
+    ours, ref = rows["dflash2 serve"], rows["mlx_lm.server"]
+    print(f"\n{'C':>3} {'dflash2 tok/s':>13} {'mlx_lm tok/s':>12} {'ratio':>6} {'dflash2 p50':>11} "
+          f"{'mlx_lm p50':>10} {'p50 ratio':>9}")
+    for o, r in zip(ours, ref):
+        print(f"{o['concurrency']:>3} {o['aggregate_tps']:>13.1f} {r['aggregate_tps']:>12.1f} "
+              f"{o['aggregate_tps'] / r['aggregate_tps']:>6.2f} {o['p50_latency_s']:>10.2f}s "
+              f"{r['p50_latency_s']:>9.2f}s {o['p50_latency_s'] / r['p50_latency_s']:>9.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "max_batch": args.max_batch,
+                                               "rows": rows}, indent=1))
+    if args.png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, data in rows.items():
+            ax.plot([d["concurrency"] for d in data], [d["aggregate_tps"] for d in data], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel("aggregate tok/s")
+        ax.set_title("demo pair, 2-core CPU")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
