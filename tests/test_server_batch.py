@@ -117,3 +117,35 @@ def test_32_concurrent_streaming_clients_three_rounds_no_errors(tmp_path):
         assert "Traceback" not in server.logs()
     assert counts["dflash2_batch_size_max"] == 8 and counts['dflash2_jobs_total{outcome="failed"}'] == 0
     assert counts['dflash2_jobs_total{outcome="completed"}'] == 7 + 96
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9),
+                                    dict(temperature=0.8, top_k=12), dict(temperature=1.2, min_p=0.05)])
+def test_a_batched_row_samples_from_the_engines_distribution(params):
+    """The batch's per-row sampler (mlx-lm's) draws from the engine's `target_probs`, so a batched
+    reply at T > 0 has the distribution a single-stream plain reply has."""
+    import mlx.core as mx
+    import numpy as np
+    from scipy import stats
+    from tiny import VOCAB
+
+    from dflash2_mlx.sampling import target_probs
+    from dflash2_mlx.server.batch import _sampler
+
+    sampling = SamplingParams(**params)
+    logits = mx.random.normal((1, VOCAB), key=mx.random.key(3)) * 2.5
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    mx.random.seed(0)
+    n = 20000
+    draws = np.array(_sampler(sampling)(mx.repeat(logprobs, n, axis=0)))
+    counts = np.bincount(draws, minlength=VOCAB)
+
+    def pvalue(p):
+        keep = p * n >= 5
+        assert counts[~keep].sum() <= max(5, 0.002 * n)  # (almost) nothing drawn where p is ~0
+        p = p.astype(np.float64)
+        return stats.chisquare(counts[keep], p[keep] / p[keep].sum() * counts[keep].sum()).pvalue
+
+    assert pvalue(np.array(target_probs(logits, sampling))[0]) > 1e-3
+    hotter = SamplingParams(**{**params, "temperature": params["temperature"] * 1.15})
+    assert pvalue(np.array(target_probs(logits, hotter))[0]) < 1e-6  # the test can tell them apart

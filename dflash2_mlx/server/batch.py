@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ..engine import CycleStats, GenerationEvent, _Stopper, peak_memory_gb
+from ..engine import CycleStats, GenerationEvent, _Stopper, generation_stream, peak_memory_gb
 
 
 def batchable(job) -> bool:
@@ -57,9 +57,10 @@ class BatchRun:
         from mlx_lm.generate import BatchGenerator
 
         self.target = target
+        # On this (the worker's) thread's generation stream: MLX streams belong to their thread.
         self.generator = BatchGenerator(target.model, stop_tokens=[[t] for t in sorted(target.eos_token_ids)],
                                         completion_batch_size=max_batch, prefill_batch_size=min(8, max_batch),
-                                        prefill_step_size=prefill_chunk)
+                                        prefill_step_size=prefill_chunk, stream=generation_stream())
         self.max_batch = max_batch
         self.rows: dict[int, _Row] = {}
 
