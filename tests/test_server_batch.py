@@ -149,3 +149,33 @@ def test_a_batched_row_samples_from_the_engines_distribution(params):
     assert pvalue(np.array(target_probs(logits, sampling))[0]) > 1e-3
     hotter = SamplingParams(**{**params, "temperature": params["temperature"] * 1.15})
     assert pvalue(np.array(target_probs(logits, hotter))[0]) < 1e-6  # the test can tell them apart
+
+
+def test_a_batched_row_starts_from_a_copy_of_its_prefix_cache_entry():
+    from dflash2_mlx.server.cache_pool import PromptCachePool
+
+    session = _session("llama", "dflash2")
+    pool = PromptCachePool(session.prompt_cache)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(session, capacity=8, prompt_caches=pool, max_batch=4)
+        worker.start()
+        first = Job(PROMPTS[2], SamplingParams(), 10, [], loop)
+        worker.submit(first)
+        reply = [t for e in await _drain(first) for t in e.tokens]
+        long = Job(PROMPTS[0], SamplingParams(), 60, [], loop)  # runs solo while the next turn arrives
+        worker.submit(long)
+        stream = long.events()
+        await stream.__anext__()
+        turn = Job(PROMPTS[2] + reply + [44, 45, 46], SamplingParams(), 12, [], loop)
+        worker.submit(turn)
+        events = await _drain(turn)
+        _ = [e async for e in stream]
+        worker.close()
+        return turn, events
+
+    turn, events = asyncio.run(main())
+    assert [t for e in events for t in e.tokens] == session.generate(turn.prompt_ids, max_tokens=12).tokens
+    assert events[0].cached_tokens >= len(PROMPTS[2]) and turn.stats.n_speculative == 0  # batched, cached
+    assert any(c.tokens[: len(PROMPTS[2])] == PROMPTS[2] for c in pool._entries.values())  # the entry stayed

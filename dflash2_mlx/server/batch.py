@@ -48,6 +48,7 @@ class _Row:
     stopper: _Stopper
     last: float  # when the previous token of this row came back (perf_counter)
     first_at: float | None = None
+    cached: int = 0  # prompt tokens the prefix cache supplied
 
 
 class BatchRun:
@@ -71,11 +72,19 @@ class BatchRun:
     def full(self) -> bool:
         return len(self.rows) >= self.max_batch
 
-    def add(self, job) -> None:
-        (uid,) = self.generator.insert([list(job.prompt_ids)], max_tokens=[job.max_tokens],
-                                       samplers=[_sampler(job.sampling)])
+    def add(self, job, cache=None) -> int:
+        """Start `job` in the batch; `cache` (a `PromptCache` copy the batch may keep, see
+        `can_adopt`) supplies the prefix of the prompt it reaches exactly. Returns how many
+        prompt tokens it supplied."""
+        ids, caches, n = list(job.prompt_ids), None, 0
+        if can_adopt(cache):
+            n = cache.reuse(ids).n_cached
+            caches = [cache.target_cache] if n else None
+        (uid,) = self.generator.insert([ids[n:]], max_tokens=[job.max_tokens], samplers=[_sampler(job.sampling)],
+                                       caches=caches)
         stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(job.stop), job.max_tokens)
-        self.rows[uid] = _Row(job, stopper, time.perf_counter())
+        self.rows[uid] = _Row(job, stopper, time.perf_counter(), cached=n if caches else 0)
+        return self.rows[uid].cached
 
     def adopt(self, job, cache, emitted: list[int], sent: int) -> None:
         """Continue a reply the single-stream engine started: `cache` (a `PromptCache` whose
@@ -128,4 +137,5 @@ class BatchRun:
         elapsed = max(now - row.first_at, 1e-9)
         return GenerationEvent(row.stopper.new_text(finish is not None), kept, cycle, finish,
                                len(row.job.prompt_ids), 0.0, n, (n - 1) / elapsed if n > 1 else 0.0,
-                               peak_memory_gb(), row.stopper.matched if finish == "stop" else None)
+                               peak_memory_gb(), row.stopper.matched if finish == "stop" else None,
+                               cached_tokens=row.cached)

@@ -336,7 +336,7 @@ class GenerationWorker:
                 batch = batch or self._new_batch()
                 for job in joining:
                     self._start(job)
-                    batch.add(job)
+                    self._add_to_batch(batch, job)
             if solo is not None and batch and self._hand_off(solo, batch):
                 solo = None
             if solo is not None and next(solo, "done") == "done":
@@ -365,6 +365,14 @@ class GenerationWorker:
         if self.metrics is not None:
             self.metrics.handoff()
         return True
+
+    def _add_to_batch(self, batch, job: Job) -> None:
+        """A joining job starts from a copy of its best prefix-cache entry when the batch can
+        take that entry's caches (the entry stays for the conversation's solo turns)."""
+        cache = self.prompt_caches.borrow(job.prompt_ids) if self.prompt_caches is not None else None
+        n_cached = batch.add(job, cache)
+        if self.prompt_caches is not None:
+            self.prompt_caches.record(n_cached)
 
     def _new_batch(self):
         from .batch import BatchRun

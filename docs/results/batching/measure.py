@@ -2,7 +2,8 @@
 
 Both servers on the demo target side by side (the dflash2 CLI's fast BLAS preloaded for both),
 levels interleaved: at each concurrency C, C streaming clients start together on C different
-held-out prompts (MT-Bench first turns and GSM8K questions, alternating; bundled) with the chat template, greedy, `--max-tokens`
+held-out prompts (the bundled MT-Bench, GSM8K, HumanEval, MATH-500 and MBPP samples in turn),
+never sent before in the run (both servers cache prompts), with the chat template, greedy, `--max-tokens`
 each; aggregate tok/s = all completion tokens / the round's wall time; latency = request sent →
 last token. A warm-up round runs first on each server. Prints a table, writes JSON and a PNG.
 
@@ -30,12 +31,18 @@ from measure import BIN, blas_env, start  # noqa: E402  (the prefix-cache benchm
 LEVELS = (1, 2, 4, 8, 16)
 
 
+SUITES = ("mtbench", "gsm8k", "humaneval", "math500", "mbpp")
+
+
 def prompts(n: int) -> list[str]:
-    """n held-out prompts, alternating MT-Bench first turns and GSM8K questions (bundled samples)."""
+    """n held-out prompts, taken in turn from the five bundled suites (60 in all)."""
     from dflash2_mlx.prompts import load_suite
 
-    suites = [load_suite(name, (n + 1) // 2, bundled_only=True).prompts for name in ("mtbench", "gsm8k")]
-    return [p.text for pair in zip(*suites) for p in pair][:n]
+    suites = [load_suite(name, 12, bundled_only=True).prompts for name in SUITES]
+    texts = [p.text for group in zip(*suites) for p in group]
+    if n > len(texts):
+        raise SystemExit(f"{n} prompts asked for, {len(texts)} bundled")
+    return texts[:n]
 
 
 def one(client, model, text, max_tokens) -> dict:
@@ -66,6 +73,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrencies, e.g. 1,2,4")
+    ap.add_argument("--repeats", type=int, default=1, help="rounds per level (each reported)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--logs", default="/tmp/batching-logs")
@@ -78,7 +87,11 @@ def main() -> None:
     env = blas_env()
     servers = {"dflash2 serve": [str(BIN / "dflash2"), "serve", "--max-batch", str(args.max_batch)],
                "mlx_lm.server": [str(BIN / "python"), "-m", "mlx_lm.server", "--model", str(spec.target)]}
-    texts = prompts(max(LEVELS))
+    levels = [int(x) for x in args.levels.split(",")]
+    # Every round gets prompts no earlier round sent: both servers keep prompt caches, and a
+    # repeated prompt would measure those instead of batching.
+    texts = iter(prompts(4 + args.repeats * sum(levels)))
+    warm = [next(texts) for _ in range(4)]
     procs, clients, models = {}, {}, {}
     rows = {name: [] for name in servers}
     try:
@@ -87,13 +100,15 @@ def main() -> None:
             clients[name] = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=900)
             models[name] = "default_model" if name == "mlx_lm.server" else clients[name].models.list().data[0].id
         for name in servers:
-            round_(clients[name], models[name], texts[:4], 16)  # warm-up
-        for c in LEVELS:
-            for name in servers:
-                r = round_(clients[name], models[name], texts[:c], args.max_tokens)
-                rows[name].append(r)
-                print(f"{name:14s} C={c:2d} aggregate {r['aggregate_tps']:6.1f} tok/s  p50 latency "
-                      f"{r['p50_latency_s']:6.2f} s", flush=True)
+            round_(clients[name], models[name], warm, 16)  # warm-up
+        for c in levels:
+            for _ in range(args.repeats):
+                batch = [next(texts) for _ in range(c)]  # the same fresh prompts for both servers
+                for name in servers:
+                    r = round_(clients[name], models[name], batch, args.max_tokens)
+                    rows[name].append(r)
+                    print(f"{name:14s} C={c:2d} aggregate {r['aggregate_tps']:6.1f} tok/s  p50 latency "
+                          f"{r['p50_latency_s']:6.2f} s", flush=True)
     finally:
         for proc in procs.values():
             proc.terminate()
