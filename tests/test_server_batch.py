@@ -79,6 +79,16 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
     assert cancelled.stats.cancelled and cancelled.stats.events_after_cancel <= 1
     counts = parse(metrics.render())
     assert counts["dflash2_batch_size_max"] == 4 and counts['dflash2_jobs_total{outcome="completed"}'] == len(jobs)
+    assert counts["dflash2_generated_tokens_per_second"] > 0
+
+
+def test_the_aggregate_rate_counts_the_last_ten_seconds():
+    metrics = Metrics()
+    metrics.tokens_posted(30, now=100.0)
+    metrics.tokens_posted(50, now=104.0)
+    assert metrics.aggregate_tps(now=105.0) == pytest.approx(8.0)  # 80 tokens over the 10 s window
+    assert metrics.aggregate_tps(now=112.0) == pytest.approx(5.0)  # the first batch has aged out
+    assert metrics.aggregate_tps(now=120.0) == 0.0
 
 
 def test_what_needs_the_single_stream_engine_is_not_batched():

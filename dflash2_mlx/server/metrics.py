@@ -6,6 +6,7 @@ status. All updates take one lock, so `/metrics` always reads a consistent snaps
 
 from __future__ import annotations
 
+import collections
 import math
 import threading
 import time
@@ -20,6 +21,9 @@ KNOWN_ROUTES = frozenset({
     "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/version", "/api/ps", "/openapi.json", "/",
     "/docs", "/v1/messages", "/v1/messages/count_tokens",
 })
+
+
+RATE_WINDOW_S = 10.0
 
 
 def _escape(value: str) -> str:
@@ -60,6 +64,7 @@ class Metrics:
         self.batch = 0
         self.batch_max = 0
         self.handoffs = 0
+        self._recent: collections.deque = collections.deque()  # (time, tokens) posted, for the rate
         self.prefill_done = 0
         self.prefill_total = 0
         self.prefill_chunks = 0
@@ -75,6 +80,21 @@ class Metrics:
     def queue_depth(self, depth: int) -> None:
         with self._lock:
             self.depth = depth
+
+    def tokens_posted(self, n: int, now: float | None = None) -> None:
+        """`n` tokens went out to clients (any job); feeds the aggregate rate over RATE_WINDOW_S."""
+        if n <= 0:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self._recent.append((now, n))
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+
+    def aggregate_tps(self, now: float | None = None) -> float:
+        """Tokens per second to all clients over the last RATE_WINDOW_S seconds."""
+        now = time.monotonic() if now is None else now
+        return sum(n for t, n in self._recent if t >= now - RATE_WINDOW_S) / RATE_WINDOW_S
 
     def handoff(self) -> None:
         """A solo (speculative) reply moved into the batch."""
@@ -175,6 +195,9 @@ class Metrics:
              [({}, self.running)]),
             ("dflash2_batch_size", "gauge", "Jobs decoding together in the plain batch now.", [({}, self.batch)]),
             ("dflash2_batch_size_max", "gauge", "The largest batch so far.", [({}, self.batch_max)]),
+            ("dflash2_generated_tokens_per_second", "gauge",
+             f"Tokens to all clients per second over the last {RATE_WINDOW_S:g} s (aggregate).",
+             [({}, round(self.aggregate_tps(), 3))]),
             ("dflash2_solo_handoffs_total", "counter", "Speculative replies moved into the batch when one formed.",
              [({}, self.handoffs)]),
             ("dflash2_prefill_tokens_done", "gauge", "Prompt tokens of the running job prefilled so far.",

@@ -431,6 +431,8 @@ class GenerationWorker:
                 for event in events:
                     job.stats.observe(event)
                     job.post(event)
+                    if self.metrics is not None:
+                        self.metrics.tokens_posted(len(event.tokens))
                     job.emitted.extend(event.tokens)
                     job.sent_chars += len(event.text)
                     if job.cancelled.is_set() or event.finish_reason is not None:
@@ -476,6 +478,8 @@ class GenerationWorker:
                 self._end(row.job)
             batch.rows.clear()
             return
+        if self.metrics is not None:
+            self.metrics.tokens_posted(sum(len(event.tokens) for _, event in produced))
         for job, event in produced:
             job.stats.observe(event)
             job.post(event)
