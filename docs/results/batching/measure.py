@@ -23,10 +23,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "prefix-cache"))
-from measure import BIN, blas_env, start  # noqa: E402  (the prefix-cache benchmark's server helpers)
+from measure import BIN, blas_env, servers_up  # noqa: E402  (the prefix-cache benchmark's server helpers)
 
 LEVELS = (1, 2, 4, 8, 16)
 
@@ -92,13 +91,8 @@ def main() -> None:
     # repeated prompt would measure those instead of batching.
     texts = iter(prompts(4 + args.repeats * sum(levels)))
     warm = [next(texts) for _ in range(4)]
-    procs, clients, models = {}, {}, {}
     rows = {name: [] for name in servers}
-    try:
-        for i, (name, cmd) in enumerate(servers.items()):
-            url, procs[name] = start(f"server{i}", cmd, env, logs)
-            clients[name] = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=900)
-            models[name] = "default_model" if name == "mlx_lm.server" else clients[name].models.list().data[0].id
+    with servers_up(servers, env, logs, timeout=900) as (clients, models):
         for name in servers:
             round_(clients[name], models[name], warm, 16)  # warm-up
         for c in levels:
@@ -109,11 +103,6 @@ def main() -> None:
                     rows[name].append(r)
                     print(f"{name:14s} C={c:2d} aggregate {r['aggregate_tps']:6.1f} tok/s  p50 latency "
                           f"{r['p50_latency_s']:6.2f} s", flush=True)
-    finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(30)
     report(rows, args)
 
 

@@ -17,6 +17,7 @@ Run on a quiet machine (nothing else on the cores).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -76,6 +77,24 @@ def start(name: str, args: list[str], env: dict, logs: Path) -> tuple[str, subpr
     return url, proc
 
 
+@contextlib.contextmanager
+def servers_up(servers: dict, env: dict, logs: Path, timeout: float = 600):
+    """Start every server of {name: command}; yield ({name: client}, {name: model id}); stop them."""
+    procs, clients, models = {}, {}, {}
+    try:
+        for i, (name, cmd) in enumerate(servers.items()):
+            url, procs[name] = start(f"{name.split()[0]}{i}", cmd, env, logs)
+            clients[name] = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=timeout)
+            # mlx_lm.server's /v1/models scans the HF cache, absent here; it serves --model as this name
+            models[name] = "default_model" if name == "mlx_lm.server" else clients[name].models.list().data[0].id
+        yield clients, models
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(30)
+
+
 def turn(client: openai.OpenAI, model: str, messages: list[dict], max_tokens: int) -> dict:
     t0 = time.perf_counter()
     first = last = None
@@ -117,13 +136,7 @@ def main() -> None:
         "dflash2 (cache off)": [*dflash2, "--prompt-cache-bytes", "0"],
         "mlx_lm.server": [str(BIN / "python"), "-m", "mlx_lm.server", "--model", str(spec.target)],
     }
-    procs, clients, models = {}, {}, {}
-    try:
-        for name, cmd in servers.items():
-            url, procs[name] = start(name.split()[0] + str(len(procs)), cmd, env, logs)
-            clients[name] = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
-            # mlx_lm.server's /v1/models scans the HF cache, absent here; it serves --model as this name
-            models[name] = "default_model" if name == "mlx_lm.server" else clients[name].models.list().data[0].id
+    with servers_up(servers, env, logs) as (clients, models):
         readme = (ROOT / "README.md").read_text()
         system = "Answer questions about this document briefly.\n\n" + readme[:9000]
         histories = {name: [{"role": "system", "content": system}] for name in servers}
@@ -138,11 +151,6 @@ def main() -> None:
                 rows[name].append(result)
                 print(f"turn {i + 1} {name:24s} ttft {result['ttft_s']:6.2f} s  prompt {result['prompt_tokens']}  "
                       f"cached {result['cached_tokens']}  decode {result['decode_tps'] or 0:6.1f} tok/s", flush=True)
-    finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(30)
     report(rows, args)
 
 
