@@ -68,10 +68,6 @@ class DraftContext:
             for c in self.cache:
                 c.n_stored, c.offset = 0, c.offset + n - self.limit
 
-    def arrays(self) -> list:
-        """Every array this context holds (to evaluate it, or to count its bytes)."""
-        return [c.state[:2] for c in self.cache if c.keys is not None] + list(self.pending)
-
     @property
     def nbytes(self) -> int:
         return sum(cache_nbytes(c) for c in self.cache) + sum(h.nbytes for h in self.pending)
