@@ -38,6 +38,7 @@ READ_TIMEOUT = 1.5
 ORIGIN = "http://localhost:3000"
 NAME = "tiny-llama"
 MSG = [{"role": "user", "content": "Hello world"}]
+ENDLESS = [{"role": "user", "content": "Hello why"}]  # the tiny pair's greedy reply runs past 2000 tokens
 
 
 def _byte_fallback_window(target) -> None:
@@ -393,13 +394,17 @@ def test_drain_answers_503_and_ends_every_open_stream_with_an_error(hard):
     url = hard.url
     results = {}
 
+    # Greedy on a prompt whose reply from the tiny pair has no EOS in 2000 tokens: a reply that
+    # ended by itself within the 1 s grace would (rightly) finish without an error.
     def sse():
-        conn, resp = open_stream(url, CHAT, {"messages": MSG, "max_tokens": 1900, "stream": True})
+        conn, resp = open_stream(url, CHAT, {"messages": ENDLESS, "max_tokens": 1900, "stream": True,
+                                             "temperature": 0})
         results["sse"] = sse_events(resp)
         conn.close()
 
     def ndjson():
-        conn, resp = open_stream(url, "/api/generate", {"prompt": "Bye", "options": {"num_predict": 1900}})
+        conn, resp = open_stream(url, "/api/generate", {"prompt": ENDLESS[0]["content"],
+                                                          "options": {"num_predict": 1900, "temperature": 0}})
         results["ndjson"] = ndjson_lines(resp)
         conn.close()
 
