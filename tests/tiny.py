@@ -117,13 +117,14 @@ def tiny_target(family: str = "llama", seed: int = 0, fast_recurrent_replay: boo
 
 
 def drafter_config_dict(arch: str = "dflash2", block_size: int = 8, layer_types=None, sliding_window=16,
-                        target_layers=(0, 2, 3), n_target_layers=4, is_causal=False, rank=16, top_k=8) -> dict:
+                        target_layers=(0, 2, 3), n_target_layers=4, is_causal=False, rank=16, top_k=8,
+                        vocab_size=VOCAB) -> dict:
     n_layers = len(layer_types) if layer_types else 2
     cfg = {
         "architectures": [{"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[arch]],
         "model_type": "qwen3", "hidden_size": HIDDEN, "intermediate_size": 96, "num_hidden_layers": n_layers,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
-        "vocab_size": VOCAB, "max_position_embeddings": 4096,
+        "vocab_size": vocab_size, "max_position_embeddings": 4096,
         "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
         "layer_types": list(layer_types or ["sliding_attention"] * n_layers), "sliding_window": sliding_window,
         "is_causal": is_causal, "tie_word_embeddings": False, "num_target_layers": n_target_layers,

@@ -10,6 +10,7 @@ when generation stops inside a call). The API modules shape the calls into their
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,47 +82,12 @@ def resolve_tool_choice(choice: Any, tools: list[dict] | None, param: str = "too
                    "invalid_value", param)
 
 
-def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: bool, model_name: str,
-                        param: str = "tool_choice") -> str:
-    """An llguidance (lark) grammar that makes the model call a tool: `choice` "required" (any
-    of `tools`, one or more calls when `parallel`) or one function's name. Only for JSON call
-    formats (`{"name": ..., "arguments": {...}}` between the markers); 400 otherwise."""
-    from ..constraint import BOUNDED_WHITESPACE, lark_grammar
-
-    check_forced_format(tokenizer, choice, model_name, param)
-    chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
-    schema = {"x-guidance": {"whitespace_pattern": BOUNDED_WHITESPACE},
-              "anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                         "properties": {"name": {"const": t["function"]["name"]},
-                                        "arguments": t["function"].get("parameters") or {"type": "object"}}}
-                        for t in chosen]}
-    open_, close = _marker(tokenizer, tokenizer.tool_call_start), _marker(tokenizer, tokenizer.tool_call_end)
-    call = f"{open_} /\\n?/ call /\\n?/ {close}"
-    start = "start: tc (/\\n?/ tc)*" if parallel and choice == "required" else "start: tc"
-    return lark_grammar(f"{start}\ntc: {call}\ncall: %json {json.dumps(schema)}\n", f"{param} schema")
-
-
-def check_forced_format(tokenizer, choice: str, model_name: str, param: str = "tool_choice") -> None:
-    """400 unless the model's tool calls are JSON, the only format a forced call is built for."""
-    parser = getattr(tokenizer.tool_parser, "__module__", "")
-    if not parser.endswith("json_tools"):
-        raise APIError(400, f"{param} {choice!r} forces a call, which this server can only constrain for JSON tool "
-                            f"calls; {model_name!r} uses the {parser.rsplit('.', 1)[-1]!r} format (use 'auto')",
-                       "unsupported_parameter", param)
-
-
-def _marker(tokenizer, text: str) -> str:
-    """A call marker in Lark: its token id when it is one (added) token, which llguidance
-    matches as a special token (`<[id]>`), else the quoted string."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
-
-
 async def forced_call_constraint(state, tool_list: list[dict] | None, choice: str, parallel: bool):
     """The grammar constraint that forces a call (`required` / a named function), else None."""
     if tool_list is None or choice == "auto":
         return None
     from . import dispatch
+    from .tool_grammar import check_forced_format, forced_call_grammar
 
     tok = state.session.target.tokenizer
     check_forced_format(tok, choice, state.model_name)
@@ -229,12 +195,62 @@ class ToolCallStream:
         return calls
 
 
+_BARE_START = re.compile(r'\s*(```json\s*)?(\[\s*)?\{\s*"name"\s*:')
+_BARE_PREFIX = re.compile(r'\s*(`{1,3}(j(s(o(n)?)?)?)?\s*)?(\[\s*)?(\{\s*("(n(a(m(e("\s*)?)?)?)?)?)?)?')
+_FENCE = re.compile(r"\s*```(?:json)?\s*(.*?)\s*```\s*", re.DOTALL)
+
+
+class BareCalls:
+    """Small models of the JSON call format (Qwen2.5-Coder-0.5B among them) often answer a tool
+    request with the call's JSON alone, without the `<tool_call>` markers. A reply that is
+    exactly such a call, or a list of them (optionally in a ```json fence), naming only given
+    tools with object arguments, is read as calls; any other reply passes through as content.
+    Text that may still become one is held back, so a streamed call never leaks as content."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.held, self.state = set(names), "", "undecided"  # -> "holding" | "off"
+
+    def feed(self, text: str) -> str:
+        """The text to pass on now."""
+        if self.state == "off":
+            return text
+        self.held += text
+        if self.state == "holding" or _BARE_START.match(self.held):
+            self.state = "holding"
+            return ""
+        if _BARE_PREFIX.fullmatch(self.held):
+            return ""
+        self.state, out, self.held = "off", self.held, ""
+        return out
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        text, self.held = self.held, ""
+        calls = self._calls(text) if self.state == "holding" else None
+        return ("", calls) if calls else (text, [])
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        fenced = _FENCE.fullmatch(text)
+        try:
+            parsed = json.loads(fenced.group(1) if fenced else text)
+        except json.JSONDecodeError:
+            return None
+        items = parsed if isinstance(parsed, list) else [parsed]
+        if not items or not all(isinstance(i, dict) and set(i) == {"name", "arguments"} and i["name"] in self.names
+                                and isinstance(i["arguments"], dict) for i in items):
+            return None
+        return [ToolCall(i["name"], i["arguments"]) for i in items]
+
+
 class CallCollector:
     """Splits a reply into content and tool calls (a pass-through when the request has no tools);
     with parallel_tool_calls false only the first call is kept."""
 
     def __init__(self, tokenizer, tool_list: list[dict] | None, parallel: bool = True):
+        from .tool_grammar import call_format
+
         self.stream = ToolCallStream(tokenizer, tool_list) if tool_list else None
+        json_calls = tool_list and call_format(tokenizer) == "json_tools"
+        self.bare = BareCalls(tool_names(tool_list)) if json_calls else None
         self.parallel, self.calls = parallel, []
 
     def _keep(self, new: list) -> list:
@@ -246,14 +262,19 @@ class CallCollector:
     def feed(self, text: str) -> tuple[str, list]:
         if self.stream is None:
             return text, []
-        shown, new = self.stream.feed(text)
+        shown, new = self.stream.feed(self.bare.feed(text) if self.bare else text)
         return shown, self._keep(new)
 
     def finish(self) -> tuple[str, list]:
         if self.stream is None:
             return "", []
-        shown, new = self.stream.finish()
-        return shown, self._keep(new)
+        shown, new = "", []
+        if self.bare is not None:
+            held, new = self.bare.finish()
+            shown, more = self.stream.feed(held)
+            new = [*new, *more]
+        rest, more = self.stream.finish()
+        return shown + rest, self._keep([*new, *more])
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.calls and reason == "stop" else reason
