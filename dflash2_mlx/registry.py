@@ -54,12 +54,24 @@ def _validate(path: Path, raw: dict) -> Registry:
             raise ConfigError(f"{path}: alias {alias!r} has unknown defaults {sorted(unknown)} "
                               f"(known: {sorted(DEFAULT_KEYS)})")
         wheel = entry.get("target_wheel")
-        if wheel is not None and not {"requirement", "file", "sha256", "cache_name"} <= set(wheel):
-            raise ConfigError(f"{path}: alias {alias!r} target_wheel needs requirement, file, sha256, cache_name")
+        if wheel is not None:
+            _check_wheel(path, alias, wheel)
     default = raw.get("default")
     if default not in models:
         raise ConfigError(f"{path}: default {default!r} is not an alias")
     return Registry(path=path, default=default, models=models)
+
+
+def _check_wheel(path: Path, alias: str, wheel: dict) -> None:
+    where = f"{path}: alias {alias!r} target_wheel"
+    if not {"sha256", "cache_name"} <= set(wheel):
+        raise ConfigError(f"{where} needs sha256 and cache_name")
+    if "parts" in wheel:
+        parts = wheel["parts"]
+        if not isinstance(parts, list) or not parts or not all({"requirement", "file"} <= set(p) for p in parts):
+            raise ConfigError(f"{where} parts must be a non-empty list of {{requirement, file}}")
+    elif not {"requirement", "file"} <= set(wheel):
+        raise ConfigError(f"{where} needs requirement and file (or parts)")
 
 
 @lru_cache(maxsize=4)

@@ -20,13 +20,13 @@ def register(app: typer.Typer) -> None:
 
 
 def _describe(alias: str, entry: dict) -> dict:
-    from .. import hub, paths
+    from .. import assets, hub, paths
 
     _, target, drafter = hub.locate(alias)
     row = {"alias": alias, "target": entry["target"], "drafter": entry.get("drafter"),
            "defaults": entry.get("defaults", {}), "params": entry.get("params"),
-           "description": entry.get("description", ""), "offline_fallback": entry.get("target_wheel", {}).get(
-               "requirement"), "notes": entry.get("notes", [])}
+           "description": entry.get("description", ""), "offline_fallback": " ".join(assets.requirements(entry["target_wheel"]))
+           if "target_wheel" in entry else None, "notes": entry.get("notes", [])}
     row["target_cached"] = str(target.path) if target.path else None
     row["target_bytes"] = paths.dir_size(target.path) if target.path else 0
     row["drafter_cached"] = str(drafter.path) if drafter and drafter.path else None
