@@ -152,8 +152,8 @@ def test_registry_aliases_are_well_formed():
     assert registry.models["Qwen3.8-27B"]["drafter"] == "z-lab/Qwen3.8-27B-DFlash2"
     assert registry.models["Qwen3-4B"]["drafter"] == "z-lab/Qwen3-4B-DFlash-b16"
     for alias, entry in registry.models.items():
-        for ref in (entry["target"], entry["drafter"]):
-            assert ref.startswith("shipped:") or hub.is_repo_id(ref), (alias, ref)
+        for ref in (entry["target"], entry.get("drafter")):
+            assert ref is None or ref.startswith("shipped:") or hub.is_repo_id(ref), (alias, ref)
         if "untrained_drafter" in entry:
             cfg = parse_config(entry["untrained_drafter"])
             # the demo drafters' architecture (SmolLM2-135M: hidden 576, 30 layers, vocab 49152)
@@ -201,6 +201,37 @@ def test_wheel_member_is_sha256_checked(tmp_path):
     assert good in one_line(e.value) and "0" * 64 in str(e.value) and not (tmp_path / "y" / "model.gguf").exists()
     with pytest.raises(ResolveError, match="has no file 'asset/other.gguf'"):
         assets.extract_verified(wheel, "asset/other.gguf", good, tmp_path / "z.gguf")
+
+
+def test_a_gguf_in_parts_is_joined_from_installed_packages_and_sha256_checked(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes([i]) * 1000 for i in range(3)]
+    for i, chunk in enumerate(chunks):  # three "installed" packages, found with find_spec
+        (tmp_path / "site" / f"asset_part{i}" / "data").mkdir(parents=True)
+        (tmp_path / "site" / f"asset_part{i}" / "__init__.py").write_text("raise ImportError('never imported')")
+        (tmp_path / "site" / f"asset_part{i}" / "data" / "p.bin").write_bytes(chunk)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setenv("DFLASH2_HOME", str(tmp_path / "home"))
+    wheel = {"parts": [{"requirement": f"asset-part{i}==1.0", "file": f"asset_part{i}/data/p.bin"} for i in range(3)],
+             "sha256": hashlib.sha256(b"".join(chunks)).hexdigest(), "cache_name": "joined"}
+    out = assets._joined_parts(wheel, tmp_path / "out.gguf", progress=False)
+    assert out.read_bytes() == b"".join(chunks)
+    assert assets.requirements(wheel) == ["asset-part0==1.0", "asset-part1==1.0", "asset-part2==1.0"]
+    wheel["parts"] = wheel["parts"][::-1]  # out of order: a different file
+    with pytest.raises(ResolveError) as e:
+        assets._joined_parts(wheel, tmp_path / "bad.gguf", progress=False)
+    assert "the 3 parts of joined join to sha256" in str(e.value) and "asset-part2==1.0" in str(e.value)
+    assert not (tmp_path / "bad.gguf").exists()
+
+
+def test_registry_checks_wheel_parts(tmp_path):
+    bad = tmp_path / "registry.json"
+    for wheel, words in [({"parts": [], "sha256": "0", "cache_name": "c"}, "parts must be a non-empty list"),
+                         ({"parts": [{"file": "f"}], "sha256": "0", "cache_name": "c"}, "parts must be"),
+                         ({"file": "f", "sha256": "0", "cache_name": "c"}, "needs requirement and file"),
+                         ({"requirement": "r", "file": "f"}, "needs sha256 and cache_name")]:
+        bad.write_text(json.dumps({"default": "a", "models": {"a": {"target": "x/y", "target_wheel": wheel}}}))
+        with pytest.raises(ConfigError, match=words):
+            load_registry(bad)
 
 
 def test_installed_asset_is_found_without_importing_it():
