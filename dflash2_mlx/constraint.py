@@ -9,6 +9,11 @@ walk runs on a copy of the matcher; only the tokens the cycle emits are committe
 Masking the target's rows this way makes speculative output equal constrained plain decoding:
 greedy picks the argmax over allowed tokens, and rejection sampling runs against the masked
 target distribution, in which a forbidden draft has probability 0.
+
+Under greedy decoding the drafts are also masked (`repair`, on by default): a draft the grammar
+forbids would be rejected for sure, so it is replaced by the drafter's best allowed candidate
+before the verify. Any draft is exact under greedy verification; sampled proposals are left
+alone, since their q must describe the drafts the verify sees.
 """
 
 from __future__ import annotations
@@ -88,8 +93,9 @@ def _validated(grammar: str, what: str) -> str:
 class GrammarConstraint:
     """Masks for the target's rows along a draft path; `commit` the tokens a step emits."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, grammar: str):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, grammar: str, mask_drafts: bool = True):
         ll = _llguidance()
+        self.mask_drafts = mask_drafts  # greedy: replace forbidden drafts before the verify (`repair`)
         self.vocab_size = vocab_size
         self.matcher = ll.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
         if self.matcher.is_error():
@@ -97,6 +103,9 @@ class GrammarConstraint:
         self._bits = ll.numpy.allocate_token_bitmask(1, vocab_size)
         self._fill = ll.numpy.fill_next_token_bitmask
         self.seconds = 0.0  # time spent computing masks and consuming tokens
+        self.walks = 0  # mask walks along at least one draft
+        self.forbidden_at: list[int] = []  # per walk that met one: the position of the forbidden draft
+        self.repaired = 0  # drafts replaced by an allowed candidate (`repair`)
 
     def _mask(self, matcher) -> np.ndarray:
         self._fill(matcher, self._bits)
@@ -113,15 +122,40 @@ class GrammarConstraint:
         t0 = time.perf_counter()
         rows = np.ones((len(drafts) + 1, self.vocab_size), dtype=bool)
         walker = self.matcher.deep_copy() if drafts else self.matcher
+        self.walks += bool(drafts)
         for i in range(len(drafts) + 1):
             rows[i] = self._mask(walker)
-            if i == len(drafts) or not rows[i][drafts[i]]:
+            if i == len(drafts):
                 break
-            if not walker.consume_token(drafts[i]):
+            if rows[i][drafts[i]] and not walker.consume_token(drafts[i]):
                 rows[i][drafts[i]] = False
+            if not rows[i][drafts[i]]:  # the drafter proposed what the grammar forbids: rejected here
+                self.forbidden_at.append(i)
                 break
         self.seconds += time.perf_counter() - t0
         return rows
+
+    def repair(self, drafts: list[int], candidates: list[list[int]]) -> list[int]:
+        """Drafts with each one the grammar forbids replaced by the drafter's best allowed
+        candidate at that position (`candidates[i]`, best first), walking the grammar along the
+        repaired path; past a position with no allowed candidate the drafts stay as they are
+        (the verify rejects there). Only for deterministic proposals: any draft is exact under
+        greedy verification, but a sampled proposal's q would no longer describe the drafts."""
+        t0 = time.perf_counter()
+        out = list(drafts)
+        walker = self.matcher.deep_copy()
+        for i, draft in enumerate(out):
+            allowed = self._mask(walker)
+            if not allowed[draft]:
+                better = next((c for c in candidates[i] if c < self.vocab_size and allowed[c]), None)
+                if better is None:
+                    break
+                out[i] = better
+                self.repaired += 1
+            if not walker.consume_token(out[i]):
+                break
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def apply(self, rows: mx.array, drafts: list[int]) -> mx.array:
         """`rows [R, V]` with the tokens the grammar forbids at each row set to -inf."""

@@ -288,6 +288,8 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
         mx.eval(drafts)
     else:
         mx.async_eval(drafts)
+    if run.constraint is not None and run.params.greedy and run.constraint.mask_drafts:  # before the verify
+        drafts = mx.array(run.constraint.repair(drafts.tolist(), _candidates(proposal)), dtype=drafts.dtype)
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
@@ -323,6 +325,16 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     t2 = time.perf_counter()
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
         _logprob_list(info, emitted)
+
+
+def _candidates(proposal, k: int = 16) -> list[list[int]]:
+    """The drafter's best ids per position, best first: v2's selector candidates, else the
+    top-k of v1's logits."""
+    if proposal.candidates is not None:
+        return proposal.candidates[0].tolist()
+    logits = proposal.logits[0]
+    top = mx.argsort(-logits, axis=-1)[:, :k]
+    return (top if proposal.vocab_ids is None else proposal.vocab_ids[top]).tolist()
 
 
 def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:

@@ -66,8 +66,38 @@ def test_masks_walk_the_draft_path_and_roll_back():
     assert sorted(np.nonzero(rows[2])[0].tolist()) == sorted([b, c_id])
     assert rows[3].all() and rows[4].all()  # past the forbidden draft x: never used
     assert np.nonzero(c.masks([])[0])[0].tolist() == [a]  # rolled back to the start
+    assert (c.walks, c.forbidden_at) == (1, [2])  # the walk above met x at position 2
+    c.masks([a, b, b])
+    assert (c.walks, c.forbidden_at) == (2, [2])  # an allowed path counts no forbidden draft
     c.commit([a, b])
     assert sorted(np.nonzero(c.masks([])[0])[0].tolist()) == sorted([b, c_id])
+
+
+def test_repair_replaces_forbidden_drafts_by_the_best_allowed_candidate():
+    target = tiny_target("llama", byte_level=True)
+    tok = target.tokenizer
+    c = _constraint(target, regex_grammar("ab+c"))
+    a, b, c_id, x = (tok.encode(ch, add_special_tokens=False)[0] for ch in "abcx")
+    assert c.repair([a, x, x], [[a], [x, c_id, b], [x, b]]) == [a, b, b]  # c is not allowed after a: b is
+    assert c.repair([a, x, b], [[a], [x], [b]]) == [a, x, b]  # no allowed candidate: left for the verify
+    assert c.repair([x, b], [[b, a], [b]]) == [a, b] and c.repaired == 3  # 2 above, 1 here
+    assert np.nonzero(c.masks([])[0])[0].tolist() == [a]  # the matcher itself did not move
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_masked_drafts_change_acceptance_not_output(arch):
+    target = tiny_target("llama", byte_level=True)
+    grammar = json_schema_grammar(SCHEMA)
+    drafter = tiny_drafter(target, arch, block_size=4)
+    runs = {}
+    for mask in (False, True):
+        constraint = GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, grammar,
+                                       mask_drafts=mask)
+        runs[mask] = (generate(target, PROMPT, drafter=drafter, max_tokens=40, block_size=4, constraint=constraint),
+                      constraint)
+    assert runs[True][0].tokens == runs[False][0].tokens
+    assert runs[True][1].repaired > 0 and runs[False][1].repaired == 0
+    assert len(runs[True][1].forbidden_at) < len(runs[False][1].forbidden_at)
 
 
 def test_invalid_schemas_are_config_errors():
