@@ -30,10 +30,10 @@ PROMPTS = [
 ]
 
 
-def run(session, ids, drafter, width, max_tokens, grammar):
+def run(session, ids, drafter, width, max_tokens, grammar, mask_drafts=True):
     target = session.target
     constraint = None if grammar is None else GrammarConstraint(target.tokenizer, target.info.vocab_size,
-                                                                target.eos_token_ids, grammar)
+                                                                target.eos_token_ids, grammar, mask_drafts)
     t0 = time.perf_counter()
     res = collect(stream_generate(target, ids, drafter=drafter, max_tokens=max_tokens, block_size=width if drafter else None,
                                   constraint=constraint))
@@ -41,7 +41,10 @@ def run(session, ids, drafter, width, max_tokens, grammar):
     spec = [c for c in res.cycles if c.n_drafted]
     grammar_s = constraint.seconds if constraint else 0.0  # mask walks and commits, plain steps included
     return {"tokens": res.tokens, "n": len(res.tokens), "wall_s": wall, "tau": res.tau if spec else None,
-            "grammar_s": grammar_s, "cycles": len(res.cycles),
+            "grammar_s": grammar_s, "cycles": len(res.cycles), "spec_cycles": len(spec),
+            "rejections": sum(c.n_accepted < c.n_drafted for c in spec),
+            "forbidden_at": constraint.forbidden_at if constraint else [],
+            "repaired": constraint.repaired if constraint else 0,
             "grammar_ms_per_cycle": 1e3 * grammar_s / max(len(res.cycles), 1)}
 
 
@@ -54,18 +57,21 @@ def main():
     args = ap.parse_args()
     session = Session.open(args.model)
     grammar = json_schema_grammar(SCHEMA)
-    modes = {"plain": (None, None), "plain+schema": (None, grammar),
-             f"dflash2@{args.width}": (session.drafter, None), f"dflash2@{args.width}+schema": (session.drafter, grammar)}
+    w = args.width
+    modes = {"plain": (None, None), "plain+schema": (None, grammar), f"dflash2@{w}": (session.drafter, None),
+             f"dflash2@{w}+schema, drafts unmasked": (session.drafter, grammar, False),
+             f"dflash2@{w}+schema": (session.drafter, grammar)}
     warm = session.encode(PROMPTS[0])
-    for drafter, g in modes.values():
-        run(session, warm, drafter, args.width, 16, g)
+    for mode in modes.values():
+        run(session, warm, mode[0], args.width, 16, *mode[1:])
     rows = {m: [] for m in modes}
     for prompt in PROMPTS:
         ids = session.encode(prompt)
-        for m, (drafter, g) in modes.items():
-            rows[m].append(run(session, ids, drafter, args.width, args.max_tokens, g))
-        spec, plain = rows[f"dflash2@{args.width}+schema"][-1], rows["plain+schema"][-1]
-        assert spec["tokens"] == plain["tokens"], f"constrained speculation diverged on {prompt!r}"
+        for m, mode in modes.items():
+            rows[m].append(run(session, ids, mode[0], args.width, args.max_tokens, *mode[1:]))
+        plain = rows["plain+schema"][-1]
+        for m in (f"dflash2@{w}+schema", f"dflash2@{w}+schema, drafts unmasked"):
+            assert rows[m][-1]["tokens"] == plain["tokens"], f"{m} diverged on {prompt!r}"
         text = session.target.tokenizer.decode([t for t in plain["tokens"] if t not in session.target.eos_token_ids])
         rows["plain+schema"][-1]["valid_json"] = _valid(text)
     base = sum(r["n"] for r in rows["plain"]) / sum(r["wall_s"] for r in rows["plain"])
@@ -82,6 +88,8 @@ def main():
         tau = "–" if s["tau"] is None else f"{s['tau']:.2f}"
         print(f"| {m} | {s['tok_s']:.1f} | {s['x_plain']:.2f} | {tau} | {s['grammar_ms_per_cycle']:.2f} "
               f"| {100 * s['grammar_share']:.1f} % |")
+    for m in (f"dflash2@{w}+schema, drafts unmasked", f"dflash2@{w}+schema"):
+        _print_forbidden(m, rows[m], summary[m])
     valid = sum(r.get("valid_json", False) for r in rows["plain+schema"])
     print(f"constrained outputs that parse and validate: {valid}/{len(PROMPTS)}; every constrained speculative "
           "output equalled constrained plain decoding")
@@ -90,6 +98,20 @@ def main():
             json.dump({"args": vars(args), "schema": SCHEMA, "summary": summary,
                        "rows": {m: [{k: v for k, v in r.items() if k != "tokens"} for r in rs] for m, rs in rows.items()}},
                       f, indent=1)
+
+
+def _print_forbidden(mode: str, rs: list[dict], summary: dict) -> None:
+    """How many rejections the grammar caused: drafts it forbids (which masking the drafts
+    replaces by the drafter's best allowed candidate, where it has one)."""
+    cycles, rejected = sum(r["spec_cycles"] for r in rs), sum(r["rejections"] for r in rs)
+    at = [i for r in rs for i in r["forbidden_at"]]
+    by_position = {i: at.count(i) for i in sorted(set(at))}
+    repaired = sum(r["repaired"] for r in rs)
+    summary["forbidden_drafts"] = {"spec_cycles": cycles, "rejections": rejected, "at_forbidden_draft": len(at),
+                                   "by_position": by_position, "repaired": repaired}
+    print(f"{mode}: {cycles} cycles, {rejected} with a rejection; {len(at)} of them "
+          f"({100 * len(at) / max(rejected, 1):.0f} %) at a draft the grammar forbids (by position "
+          f"{by_position}); {repaired} drafts replaced by an allowed candidate")
 
 
 def _valid(text: str) -> bool:
