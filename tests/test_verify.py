@@ -187,14 +187,19 @@ class OverlapDrafter:
         return Proposal(tokens=mx.array([tokens]), candidates=mx.stack(cands)[None], q=mx.stack(qs)[None])
 
 
-def _engine_first_three(make_drafter, n_draws, seed0):
+def _engine_first_three(make_drafter, n_draws, seed0, fresh=False):
+    """Counts of the first three tokens over `n_draws` seeded generations. A real drafter is
+    built once and reused, as a session does (its per-generation state is its DraftContext);
+    `fresh` builds one per draw, for drafters that keep state of their own."""
     from dflash2_mlx import SamplingParams, generate
     from tiny import tiny_target
 
     target = tiny_target("qwen3")
     counts = {}
+    shared = None if fresh else make_drafter(target)
     for i in range(n_draws):
-        result = generate(target, E2E_PROMPT, drafter=make_drafter(target), max_tokens=3, block_size=3,
+        drafter = make_drafter(target) if fresh else shared
+        result = generate(target, E2E_PROMPT, drafter=drafter, max_tokens=3, block_size=3,
                           sampling=SamplingParams(seed=seed0 + i, **E2E_PARAMS))
         assert result.cycles[0].n_drafted == 1  # token 2 always comes out of a verify pass
         counts[tuple(result.tokens)] = counts.get(tuple(result.tokens), 0) + 1
@@ -252,10 +257,11 @@ def _compact_v2(target):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("make_drafter", [_real_v2, _compact_v2, lambda t: OverlapDrafter(t, E2E_PROMPT)],
+@pytest.mark.parametrize("make_drafter, fresh", [(_real_v2, False), (_compact_v2, False),
+                                                 (lambda t: OverlapDrafter(t, E2E_PROMPT), True)],
                          ids=["dflash2", "dflash2-compact-head", "overlap"])
-def test_engine_emits_the_target_distribution(make_drafter):
-    target, counts = _engine_first_three(make_drafter, 2000, seed0=0)
+def test_engine_emits_the_target_distribution(make_drafter, fresh):
+    target, counts = _engine_first_three(make_drafter, 2000, seed0=0, fresh=fresh)
     joint = _exact_joint(target)
     assert _e2e_pvalue(counts, joint, 2) > ALPHA and _e2e_pvalue(counts, joint, 3) > ALPHA
 
@@ -263,5 +269,5 @@ def test_engine_emits_the_target_distribution(make_drafter):
 @pytest.mark.slow
 def test_engine_power_check(monkeypatch):
     monkeypatch.setattr(verify, "residual_distribution", lambda p, q: p)
-    target, counts = _engine_first_three(lambda t: OverlapDrafter(t, E2E_PROMPT), 2000, seed0=50_000)
+    target, counts = _engine_first_three(lambda t: OverlapDrafter(t, E2E_PROMPT), 2000, seed0=50_000, fresh=True)
     assert _e2e_pvalue(counts, _exact_joint(target), 2) < ALPHA
