@@ -48,7 +48,11 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
         jobs = [Job(PROMPTS[0], SamplingParams(), LENGTHS[0], [], loop)]
         worker.submit(jobs[0])
         first = jobs[0].events()
-        head = await first.__anext__()  # the solo job is running; the others arrive while it does
+        head = [await first.__anext__(), await first.__anext__()]  # the solo job is running ...
+        solo = parse(metrics.render())
+        assert solo["dflash2_solo_width"] >= 1 and solo["dflash2_batch_size"] == 0
+        assert solo["dflash2_solo_width"] == 1 or solo["dflash2_solo_tokens_per_cycle"] >= 1.0
+        # ... and the others arrive while it does
         for p, n in zip(PROMPTS[1:], LENGTHS[1:]):
             jobs.append(Job(p, SamplingParams(), n, [], loop))
         jobs.append(Job(PROMPTS[1], SamplingParams(temperature=0.8), 20, [], loop))  # sampled row
@@ -61,7 +65,7 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
             seen += 1
             if seen == 3:
                 worker.cancel(cancelled)
-        results = [[head] + [e async for e in first]] + [await d for d in drains]
+        results = [head + [e async for e in first]] + [await d for d in drains]
         worker.close()
         return jobs, results, cancelled
 
@@ -80,6 +84,7 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
     counts = parse(metrics.render())
     assert counts["dflash2_batch_size_max"] == 4 and counts['dflash2_jobs_total{outcome="completed"}'] == len(jobs)
     assert counts["dflash2_generated_tokens_per_second"] > 0
+    assert counts["dflash2_solo_width"] == 0 and counts["dflash2_solo_tokens_per_cycle"] == 0  # none running
 
 
 def test_the_aggregate_rate_counts_the_last_ten_seconds():

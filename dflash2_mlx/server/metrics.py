@@ -64,6 +64,8 @@ class Metrics:
         self.batch = 0
         self.batch_max = 0
         self.handoffs = 0
+        self.solo_width = 0  # the single-stream reply's last verify width (0: none running)
+        self.solo_tau = 0.0  # its tokens per speculative cycle so far
         self._recent: collections.deque = collections.deque()  # (time, tokens) posted, for the rate
         self.prefill_done = 0
         self.prefill_total = 0
@@ -100,6 +102,12 @@ class Metrics:
         """A solo (speculative) reply moved into the batch."""
         with self._lock:
             self.handoffs += 1
+
+    def solo_cycle(self, width: int, tau: float) -> None:
+        """The single-stream reply's last cycle: its width (1 a plain step; 0 when it ended or
+        moved into the batch, where every row decodes at width 1) and its τ so far."""
+        with self._lock:
+            self.solo_width, self.solo_tau = width, tau
 
     def batch_size(self, n: int) -> None:
         """Rows decoding together in the batch now (the solo job not counted)."""
@@ -198,6 +206,10 @@ class Metrics:
             ("dflash2_generated_tokens_per_second", "gauge",
              f"Tokens to all clients per second over the last {RATE_WINDOW_S:g} s (aggregate).",
              [({}, round(self.aggregate_tps(), 3))]),
+            ("dflash2_solo_width", "gauge", "Verify width of the single-stream reply's last cycle (1: a plain "
+             "step; 0: none running). Batched rows decode at width 1.", [({}, self.solo_width)]),
+            ("dflash2_solo_tokens_per_cycle", "gauge", "Tokens per speculative cycle of the running "
+             "single-stream reply (its tau so far; 0 when none).", [({}, round(self.solo_tau, 6))]),
             ("dflash2_solo_handoffs_total", "counter", "Speculative replies moved into the batch when one formed.",
              [({}, self.handoffs)]),
             ("dflash2_prefill_tokens_done", "gauge", "Prompt tokens of the running job prefilled so far.",

@@ -430,9 +430,11 @@ class GenerationWorker:
             try:
                 for event in events:
                     job.stats.observe(event)
-                    job.post(event)
                     if self.metrics is not None:
+                        if event.cycle is not None:
+                            self.metrics.solo_cycle(event.cycle.width, job.stats.tokens_per_cycle)
                         self.metrics.tokens_posted(len(event.tokens))
+                    job.post(event)
                     job.emitted.extend(event.tokens)
                     job.sent_chars += len(event.text)
                     if job.cancelled.is_set() or event.finish_reason is not None:
@@ -453,6 +455,8 @@ class GenerationWorker:
                 self._finish(job)
         finally:
             self._solo_job = self._solo_cache = None
+            if self.metrics is not None:
+                self.metrics.solo_cycle(0, 0.0)
             if not handed:
                 if self.prompt_caches is not None:
                     self.prompt_caches.checkin(cache)
