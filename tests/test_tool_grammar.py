@@ -149,6 +149,25 @@ def test_a_named_choice_refuses_the_other_tools(fmt):
     assert not accepts(tokenizer, grammar, "plain text")
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_odd_but_valid_schemas_compile(fmt):
+    tokenizer = byte_tokenizer(fmt)
+    odd = [{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "required": ['say "hi"'],
+        "properties": {'say "hi"': {"type": ["string", "null"]}, "mood": {"enum": ["é", "ü"]}}}}}]
+    grammar = forced_call_grammar(tokenizer, odd, "required", False, "m")
+    if fmt == "qwen3_coder":  # a nullable string is raw text; non-ASCII enum values are literals
+        assert accepts(tokenizer, grammar, render(fmt, [("note", {'say "hi"': "yes", "mood": "é"})]))
+
+
+def test_malformed_parameters_are_a_config_error():
+    from dflash2_mlx.errors import ConfigError
+
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": []}}}]
+    with pytest.raises(ConfigError, match="parameters.properties must be an object"):
+        forced_call_grammar(byte_tokenizer("qwen3_coder"), bad, "required", False, "m")
+
+
 def test_an_unsupported_format_is_a_400_naming_it():
     tokenizer = byte_tokenizer("mistral")
     with pytest.raises(APIError) as e:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 
+from ..errors import ConfigError
 from .errors import APIError
 
 FORMATS = ("json_tools", "qwen3_coder", "pythonic")
-_STRING_TYPES = {"string"}
 
 
 def call_format(tokenizer) -> str:
@@ -88,11 +88,20 @@ def _json_calls(functions: list[dict]) -> str:
     return f"call: {_json(schema)}\n"
 
 
+def _literal(text: str) -> str:
+    """`text` as a Lark string literal (quotes, backslashes and newlines escaped)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 def _parameters(function: dict) -> tuple[list[tuple[str, dict, bool]], bool]:
     """([(key, schema, required)] in schema order, whether undeclared keys are free)."""
     params = function.get("parameters") or {}
-    props = params.get("properties") or {}
-    required = set(params.get("required") or ())
+    props = params.get("properties", {})
+    required = params.get("required", [])
+    if not isinstance(props, dict) or not isinstance(required, list):
+        raise ConfigError(f"tool {function['name']!r}: parameters.properties must be an object and "
+                          f"parameters.required a list, got {type(props).__name__} and {type(required).__name__}")
+    required = set(required)
     listed = [(key, schema if isinstance(schema, dict) else {}, key in required) for key, schema in props.items()]
     return listed, "properties" not in params
 
@@ -115,8 +124,9 @@ def _xml_value(schema: dict, rule: str) -> str:
     """The rules for one parameter's value, up to and including `\\n</parameter>\\n`."""
     end = '"\\n</parameter>\\n"'
     if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
-        return f"{rule}: ({' | '.join(json.dumps(v) for v in schema['enum'])}) {end}\n"
-    if schema.get("type") in _STRING_TYPES or "type" not in schema and "enum" not in schema:
+        return f"{rule}: ({' | '.join(_literal(v) for v in schema['enum'])}) {end}\n"
+    types = schema.get("type") if isinstance(schema.get("type"), list) else [schema.get("type")]
+    if "string" in types or "type" not in schema and "enum" not in schema:
         # raw text that stops at the first `\n</parameter>\n`, as the parser reads it
         return f"{rule}[lazy]: /(.|\\n)*\\n<\\/parameter>\\n/\n"
     return f"{rule}: {_json(schema)} {end}\n"
@@ -128,7 +138,8 @@ def _xml_calls(functions: list[dict]) -> str:
         params, free = _parameters(function)
         items = []
         for k, (key, schema, required) in enumerate(params):
-            rules.append(f'p{i}_{k}: "<parameter={key}>\\n" v{i}_{k}\n' + _xml_value(schema, f"v{i}_{k}"))
+            opener = _literal(f"<parameter={key}>\n")
+            rules.append(f"p{i}_{k}: {opener} v{i}_{k}\n" + _xml_value(schema, f"v{i}_{k}"))
             items.append((f"p{i}_{k}", required))
         if free:  # no declared properties: any keys, raw text values
             rules.append(f'p{i}_any: "<parameter=" /[^\\s<>]+/ ">\\n" v{i}_any\n' + _xml_value({}, f"v{i}_any"))
@@ -136,7 +147,7 @@ def _xml_calls(functions: list[dict]) -> str:
         else:
             body = " ".join(rule if required else f"{rule}?" for rule, required in items) or '""'
         alts.append(f"c{i}")
-        rules.append(f'c{i}: {json.dumps("<function=" + function["name"] + ">")} "\\n" {body} "</function>"\n')
+        rules.append(f'c{i}: {_literal("<function=" + function["name"] + ">")} "\\n" {body} "</function>"\n')
     return f"call: {' | '.join(alts)}\n" + "".join(rules)
 
 
@@ -150,9 +161,9 @@ def _pythonic_calls(functions: list[dict]) -> str:
         else:
             items = []
             for k, (key, schema, required) in enumerate(params):
-                rules.append(f'k{i}_{k}: "{key}=" {_json(schema)}\n')
+                rules.append(f"k{i}_{k}: {_literal(key + '=')} {_json(schema)}\n")
                 items.append((f"k{i}_{k}", required))
             body = _sequence(items, '", "')
         alts.append(f"c{i}")
-        rules.append(f'c{i}: {json.dumps(function["name"] + "(")} {body} ")"\n')
+        rules.append(f'c{i}: {_literal(function["name"] + "(")} {body} ")"\n')
     return f"call: {' | '.join(alts)}\n" + "".join(rules)
