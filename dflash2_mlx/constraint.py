@@ -10,7 +10,7 @@ Masking the target's rows this way makes speculative output equal constrained pl
 greedy picks the argmax over allowed tokens, and rejection sampling runs against the masked
 target distribution, in which a forbidden draft has probability 0.
 
-Under greedy decoding the drafts are also masked (`repair`, on by default): a draft the grammar
+Under greedy decoding the drafts are also masked (`walk` with candidates, on by default): a draft the grammar
 forbids would be rejected for sure, so it is replaced by the drafter's best allowed candidate
 before the verify. Any draft is exact under greedy verification; sampled proposals are left
 alone, since their q must describe the drafts the verify sees.
@@ -95,7 +95,7 @@ class GrammarConstraint:
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids, grammar: str, mask_drafts: bool = True):
         ll = _llguidance()
-        self.mask_drafts = mask_drafts  # greedy: replace forbidden drafts before the verify (`repair`)
+        self.mask_drafts = mask_drafts  # greedy: replace forbidden drafts before the verify (`walk`)
         self.vocab_size = vocab_size
         self.matcher = ll.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
         if self.matcher.is_error():
@@ -105,7 +105,7 @@ class GrammarConstraint:
         self.seconds = 0.0  # time spent computing masks and consuming tokens
         self.walks = 0  # mask walks along at least one draft
         self.forbidden_at: list[int] = []  # per walk that met one: the position of the forbidden draft
-        self.repaired = 0  # drafts replaced by an allowed candidate (`repair`)
+        self.repaired = 0  # drafts replaced by an allowed candidate
 
     def _mask(self, matcher) -> np.ndarray:
         self._fill(matcher, self._bits)
@@ -113,53 +113,47 @@ class GrammarConstraint:
         return bits[: self.vocab_size].astype(bool)
 
     def masks(self, drafts: list[int]) -> np.ndarray:
-        """Allowed tokens [len(drafts) + 1, V] per verify row (all True past a forbidden draft).
+        """Allowed tokens [len(drafts) + 1, V] per verify row (all True past a forbidden draft)."""
+        return self.walk(drafts)[1]
 
-        The walk runs on a copy of the matcher, so a draft the matcher refuses to consume
-        (though its mask bit was set) cannot leave the real state in error: it is marked
-        forbidden in its row instead, and is rejected like any other.
+    def walk(self, drafts: list[int], candidates=None) -> tuple[list[int], np.ndarray]:
+        """(the drafts, allowed tokens per verify row) along the draft path, on a copy of the
+        matcher; rows past a forbidden draft are all True (never used).
+
+        With `candidates` (a callable giving, per position, the drafter's ids best first; called
+        once, at the first forbidden draft) a forbidden draft is replaced by the best allowed
+        candidate and the walk goes on along the repaired path. Only for deterministic
+        proposals: any draft is exact under greedy verification, but a sampled proposal's q
+        would no longer describe the drafts. A draft the matcher refuses to consume (though its
+        mask bit was set) is marked forbidden in its row, so the real state never errs.
         """
         t0 = time.perf_counter()
-        rows = np.ones((len(drafts) + 1, self.vocab_size), dtype=bool)
-        walker = self.matcher.deep_copy() if drafts else self.matcher
-        self.walks += bool(drafts)
-        for i in range(len(drafts) + 1):
+        out, listed = list(drafts), None
+        rows = np.ones((len(out) + 1, self.vocab_size), dtype=bool)
+        walker = self.matcher.deep_copy() if out else self.matcher
+        self.walks += bool(out)
+        for i in range(len(out) + 1):
             rows[i] = self._mask(walker)
-            if i == len(drafts):
+            if i == len(out):
                 break
-            if rows[i][drafts[i]] and not walker.consume_token(drafts[i]):
-                rows[i][drafts[i]] = False
-            if not rows[i][drafts[i]]:  # the drafter proposed what the grammar forbids: rejected here
+            if not rows[i][out[i]] and candidates is not None:
+                listed = candidates() if listed is None else listed
+                better = next((c for c in listed[i] if c < self.vocab_size and rows[i][c]), None)
+                if better is not None:
+                    out[i] = better
+                    self.repaired += 1
+            if rows[i][out[i]] and not walker.consume_token(out[i]):
+                rows[i][out[i]] = False
+            if not rows[i][out[i]]:  # the draft the grammar forbids: the verify rejects it here
                 self.forbidden_at.append(i)
                 break
         self.seconds += time.perf_counter() - t0
-        return rows
+        return out, rows
 
-    def repair(self, drafts: list[int], candidates: list[list[int]]) -> list[int]:
-        """Drafts with each one the grammar forbids replaced by the drafter's best allowed
-        candidate at that position (`candidates[i]`, best first), walking the grammar along the
-        repaired path; past a position with no allowed candidate the drafts stay as they are
-        (the verify rejects there). Only for deterministic proposals: any draft is exact under
-        greedy verification, but a sampled proposal's q would no longer describe the drafts."""
-        t0 = time.perf_counter()
-        out = list(drafts)
-        walker = self.matcher.deep_copy()
-        for i, draft in enumerate(out):
-            allowed = self._mask(walker)
-            if not allowed[draft]:
-                better = next((c for c in candidates[i] if c < self.vocab_size and allowed[c]), None)
-                if better is None:
-                    break
-                out[i] = better
-                self.repaired += 1
-            if not walker.consume_token(out[i]):
-                break
-        self.seconds += time.perf_counter() - t0
-        return out
-
-    def apply(self, rows: mx.array, drafts: list[int]) -> mx.array:
-        """`rows [R, V]` with the tokens the grammar forbids at each row set to -inf."""
-        allowed = mx.array(self.masks(drafts)[: rows.shape[0]])
+    def apply(self, rows: mx.array, drafts: list[int], allowed: np.ndarray | None = None) -> mx.array:
+        """`rows [R, V]` with the tokens the grammar forbids at each row set to -inf (`allowed`:
+        the masks `walk` already computed for these drafts, else they are computed here)."""
+        allowed = mx.array((self.masks(drafts) if allowed is None else allowed)[: rows.shape[0]])
         if rows.shape[-1] > allowed.shape[-1]:  # a head padded past the tokenizer's vocab
             allowed = mx.pad(allowed, [(0, 0), (0, rows.shape[-1] - allowed.shape[-1])])
         return mx.where(allowed, rows, mx.array(-mx.inf, dtype=rows.dtype))

@@ -288,18 +288,21 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
         mx.eval(drafts)
     else:
         mx.async_eval(drafts)
+    allowed, grammar_s = None, 0.0
     if run.constraint is not None and run.params.greedy and run.constraint.mask_drafts:  # before the verify
-        drafts = mx.array(run.constraint.repair(drafts.tolist(), _candidates(proposal)), dtype=drafts.dtype)
+        g0 = time.perf_counter()
+        repaired, allowed = run.constraint.walk(drafts.tolist(), lambda: _candidates(proposal))
+        drafts = mx.array(repaired, dtype=drafts.dtype)
+        grammar_s = time.perf_counter() - g0
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
     rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors,
                         run.params.penalty_context)
-    grammar_s = 0.0
     if run.constraint is not None:  # each row masked by the grammar state along the draft path
         g0 = time.perf_counter()
-        rows = run.constraint.apply(rows, drafts.tolist())
-        grammar_s = time.perf_counter() - g0
+        rows = run.constraint.apply(rows, drafts.tolist(), allowed)
+        grammar_s += time.perf_counter() - g0
     if run.params.greedy:
         outputs = (mx.argmax(rows, axis=-1),)
     else:

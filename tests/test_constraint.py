@@ -73,14 +73,18 @@ def test_masks_walk_the_draft_path_and_roll_back():
     assert sorted(np.nonzero(c.masks([])[0])[0].tolist()) == sorted([b, c_id])
 
 
-def test_repair_replaces_forbidden_drafts_by_the_best_allowed_candidate():
+def test_the_walk_replaces_forbidden_drafts_by_the_best_allowed_candidate():
     target = tiny_target("llama", byte_level=True)
     tok = target.tokenizer
     c = _constraint(target, regex_grammar("ab+c"))
     a, b, c_id, x = (tok.encode(ch, add_special_tokens=False)[0] for ch in "abcx")
-    assert c.repair([a, x, x], [[a], [x, c_id, b], [x, b]]) == [a, b, b]  # c is not allowed after a: b is
-    assert c.repair([a, x, b], [[a], [x], [b]]) == [a, x, b]  # no allowed candidate: left for the verify
-    assert c.repair([x, b], [[b, a], [b]]) == [a, b] and c.repaired == 3  # 2 above, 1 here
+    out, rows = c.walk([a, x, x], lambda: [[a], [x, c_id, b], [x, b]])
+    assert out == [a, b, b]  # c is not allowed after a: b is
+    assert (rows == c.masks([a, b, b])).all()  # the masks of the repaired path, walked once
+    assert c.walk([a, x, b], lambda: [[a], [x], [b]])[0] == [a, x, b]  # no allowed candidate: left for the verify
+    assert c.walk([x, b], lambda: [[b, a], [b]])[0] == [a, b] and c.repaired == 3  # 2 above, 1 here
+    asked = []
+    assert c.walk([a, b], lambda: asked.append(1))[0] == [a, b] and not asked  # nothing forbidden: never asked
     assert np.nonzero(c.masks([])[0])[0].tolist() == [a]  # the matcher itself did not move
 
 
