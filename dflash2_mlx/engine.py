@@ -282,7 +282,33 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     evaluated first. Either way, waiting on the drafts tells their finish time (`draft_s`) apart."""
     t0 = time.perf_counter()
     anchor = run.history[-1]
-    proposal = run.drafter.draft(mx.array([anchor]), run.context, width, run.params.temperature, run.next_key())
+    proposal, drafts, allowed, grammar_s = propose(run, width)
+    run.target.arm(run.target_cache)
+    verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
+    logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
+    outputs, info, verdict_s = verdict(run, logits[0], drafts, proposal, allowed)
+    grammar_s += verdict_s
+    mx.async_eval(*outputs, *(x for x in info or () if x is not None))
+    mx.eval(drafts)
+    t1 = time.perf_counter()
+    mx.eval(*outputs)
+    draft_list = drafts.tolist()
+    n_acc, nxt = accepted(run, draft_list, outputs)
+    run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
+    run.context.feed(hidden[:, : n_acc + 1])
+    run.fed += n_acc + 1
+    emitted = draft_list[:n_acc] + [nxt]
+    t2 = time.perf_counter()
+    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
+        _logprob_list(info, emitted)
+
+
+def propose(run: _Run, width: int):
+    """Draft `width - 1` tokens after the run's last token: (proposal, drafts [width - 1]
+    (lazy unless the host needs them), the grammar's allowed sets or None, grammar seconds).
+    Under a grammar with masked drafts, forbidden drafts are repaired before the verify."""
+    proposal = run.drafter.draft(mx.array([run.history[-1]]), run.context, width, run.params.temperature,
+                                 run.next_key())
     drafts = proposal.tokens[0]
     if run.processors or run.constraint is not None or not run.overlap:  # penalties, grammar: drafts on the host
         mx.eval(drafts)
@@ -294,15 +320,20 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
         repaired, allowed = run.constraint.walk(drafts.tolist(), lambda: _candidates(proposal))
         drafts = mx.array(repaired, dtype=drafts.dtype)
         grammar_s = time.perf_counter() - g0
-    run.target.arm(run.target_cache)
-    verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
-    logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
-    rows = process_rows(logits[0], run.history, drafts.tolist() if run.processors else [], run.processors,
+    return proposal, drafts, allowed, grammar_s
+
+
+def verdict(run: _Run, logits: mx.array, drafts: mx.array, proposal, allowed):
+    """The target's verdict on one row's block from its verify logits [width, V], lazily:
+    (outputs: (argmax rows,) when greedy, else (n_accepted, next token) of rejection
+    sampling; logprob info or None; grammar seconds)."""
+    rows = process_rows(logits, run.history, drafts.tolist() if run.processors else [], run.processors,
                         run.params.penalty_context)
+    grammar_s = 0.0
     if run.constraint is not None:  # each row masked by the grammar state along the draft path
         g0 = time.perf_counter()
         rows = run.constraint.apply(rows, drafts.tolist(), allowed)
-        grammar_s += time.perf_counter() - g0
+        grammar_s = time.perf_counter() - g0
     if run.params.greedy:
         outputs = (mx.argmax(rows, axis=-1),)
     else:
@@ -312,22 +343,14 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
         outputs = rejection_sample(drafts, p, q, run.next_key())
     # Row j's reported token is the j-th emitted one: draft j+1 while accepted, then the pick.
     info = None if run.top_logprobs is None else _logprobs(run, rows, _emitted_rows(drafts, outputs, run.params.greedy))
-    mx.async_eval(*outputs, *(x for x in info or () if x is not None))
-    mx.eval(drafts)
-    t1 = time.perf_counter()
-    mx.eval(*outputs)
-    draft_list = drafts.tolist()
+    return outputs, info, grammar_s
+
+
+def accepted(run: _Run, draft_list: list[int], outputs: tuple) -> tuple[int, int]:
+    """(drafts accepted, next token) from a `verdict`'s evaluated outputs."""
     if run.params.greedy:
-        n_acc, nxt = greedy_accept(draft_list, outputs[0].tolist())
-    else:
-        n_acc, nxt = int(outputs[0].item()), int(outputs[1].item())
-    run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
-    run.context.feed(hidden[:, : n_acc + 1])
-    run.fed += n_acc + 1
-    emitted = draft_list[:n_acc] + [nxt]
-    t2 = time.perf_counter()
-    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
-        _logprob_list(info, emitted)
+        return greedy_accept(draft_list, outputs[0].tolist())
+    return int(outputs[0].item()), int(outputs[1].item())
 
 
 def _candidates(proposal, k: int = 16) -> list[list[int]]:

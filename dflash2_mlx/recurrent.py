@@ -123,7 +123,9 @@ class GatedDeltaReplay(_Wrapper):
         finally:
             self.sink.tape = None
 
-    def replay(self, cache: RecurrentCache, n: int) -> None:
+    def replay(self, cache: RecurrentCache, n: int, row_n: mx.array | None = None) -> None:
+        """Rebuild the state after `n` kept steps; with `row_n` [B] (each <= n), after
+        `row_n[b]` steps for row b (the steps past a row's count are masked out)."""
         from mlx_lm.models.gated_delta import gated_delta_update
 
         if n == 0:
@@ -145,10 +147,26 @@ class GatedDeltaReplay(_Wrapper):
             gdn.A_log,
             gdn.dt_bias,
             cache.checkpoint[1],
-            _slice_mask(mask, n, L),
+            _keep_mask(_slice_mask(mask, n, L), n, row_n),
             use_kernel=not gdn.training,
         )
-        cache.cache = [mx.contiguous(conv_input[:, n:]), state]
+        cache.cache = [_conv_state(conv_input, n, gdn.conv_kernel_size - 1, row_n), state]
+
+
+def _keep_mask(mask, n: int, row_n: mx.array | None):
+    """The replay's step mask: the recorded one, and for per-row counts `t < row_n[b]`."""
+    if row_n is None:
+        return mask
+    keep = mx.arange(n)[None] < row_n[:, None]
+    return keep if mask is None else mask & keep
+
+
+def _conv_state(conv_input: mx.array, n: int, n_state: int, row_n: mx.array | None) -> mx.array:
+    """The conv's state rows after `n` steps (`row_n[b]` for row b): the last `n_state` inputs."""
+    if row_n is None:
+        return mx.contiguous(conv_input[:, n:])
+    rows = (row_n[:, None] + mx.arange(n_state)[None])[..., None]
+    return mx.take_along_axis(conv_input, rows, axis=1)
 
 
 def _split_qkv(gdn: nn.Module, conv_out: mx.array, n: int):
@@ -188,7 +206,7 @@ def _stack(arrays: list) -> mx.array:
     return out.reshape(-1, *out.shape[2:])
 
 
-def replay_stacked(pairs: list, n: int) -> None:
+def replay_stacked(pairs: list, n: int, row_n: mx.array | None = None) -> None:
     """Replay `n` steps of same-shape GatedDeltaNet layers as one batched conv + recurrence.
 
     `pairs` are (GatedDeltaReplay, armed RecurrentCache) with equal `_stack_key`s. The layer
@@ -224,12 +242,13 @@ def replay_stacked(pairs: list, n: int) -> None:
         per_layer([g.A_log for g in gdns]),
         per_layer([g.dt_bias for g in gdns]),
         None if states[0] is None else _stack(states),
-        None if mask is None else _stack([t.mask[:, :n] for t in tapes]),
+        _keep_mask(None if mask is None else _stack([t.mask[:, :n] for t in tapes]), n,
+                   None if row_n is None else mx.tile(row_n, S)),
         use_kernel=not first.training,
     )
     state = state.reshape(S, B, *state.shape[1:])
     for i, (_, cache) in enumerate(pairs):
-        cache.cache = [mx.contiguous(conv_in[i][:, n:]), state[i]]
+        cache.cache = [_conv_state(conv_in[i], n, first.conv_kernel_size - 1, row_n), state[i]]
 
 
 def replay_layers(pairs: list, n: int, stacked: bool = True) -> None:
@@ -250,6 +269,44 @@ def replay_layers(pairs: list, n: int, stacked: bool = True) -> None:
             group[0][0].replay(group[0][1], n)
         else:
             replay_stacked(group, n)
+
+
+def replay_rows(pairs: list, n_keep: list[int], stacked: bool = True) -> None:
+    """`replay_layers` for a batch whose row b keeps `n_keep[b]` steps: GatedDeltaNet layers
+    replay the longest count with the later steps of shorter rows masked out; any other
+    mixer replays row by row (the slow twin)."""
+    n = max(n_keep)
+    if min(n_keep) == n:
+        return replay_layers(pairs, n, stacked)
+    row_n = mx.array(n_keep, mx.int32)
+    groups: dict = {}
+    for replayer, cache in pairs:
+        if not isinstance(replayer, GatedDeltaReplay):
+            _replay_each_row(replayer, cache, n_keep)
+            continue
+        key = _stack_key(replayer, cache) if stacked else None
+        if key is None:
+            replayer.replay(cache, n, row_n)
+        else:
+            groups.setdefault(key, []).append((replayer, cache))
+    for group in groups.values():
+        if len(group) == 1:
+            group[0][0].replay(group[0][1], n, row_n)
+        else:
+            replay_stacked(group, n, row_n)
+
+
+def _replay_each_row(replayer, cache: RecurrentCache, n_keep: list[int]) -> None:
+    """Generic replay of each row alone, from its row of the checkpoint."""
+    x, mask = cache.tape.replay
+    states = []
+    for b, n in enumerate(n_keep):
+        row = RecurrentCache(len(cache.cache))
+        row.cache = [None if a is None else a[b : b + 1] for a in cache.checkpoint]
+        row_mask = mask[b : b + 1] if mask is not None and not isinstance(mask, str) and mask.ndim == 2 else mask
+        replayer.inner(x[b : b + 1, :n], _slice_mask(row_mask, n, x.shape[1]), row)
+        states.append(row.cache)
+    cache.cache = [mx.concatenate([s[j] for s in states]) for j in range(len(cache.cache))]
 
 
 def install_replay(layer: nn.Module, fast: bool = True):

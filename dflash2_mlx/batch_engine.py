@@ -1,0 +1,255 @@
+"""Speculative decoding of many rows at once: per-row drafts, one batched verify.
+
+Each row is an engine `_Run` (its own sampling, RNG key, drafter context, penalties, grammar,
+history). A cycle of width w (the same for every row, chosen per cycle by a policy):
+
+1. draft: the drafter drafts `w - 1` tokens for each row from that row's context (one call
+   per row, as mlx-vlm does); w = 1 is a plain batched decoding step, with no drafts.
+2. verify: the target runs once over `[B, w]`, each row's anchor and drafts, on batched
+   caches (`batch_cache.py`) whose rows have different lengths.
+3. commit: each row keeps its own accepted prefix (`Target.commit_rows`: attention slots
+   are emptied per row, recurrent state replayed per row) and feeds those states to its
+   context.
+
+Token choice is the single-stream engine's own code (`propose`, `verdict`, `accepted`,
+`_choose`), so every greedy row equals its single-stream output. Rows join between cycles:
+a new row's prompt is prefilled alone, one chunk per `step` (running rows keep decoding),
+then its single-row caches are appended to the batch. A row that finishes leaves at once;
+with a `PromptCache`, its caches go back into it.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from . import batch_cache
+from .engine import (CLEAR_CACHE_EVERY, DEFAULT_PREFILL_STEP, CycleStats, GenerationEvent, _choose, _commit,
+                     _logprob_list, _logprobs, _prefill, _Run, _Stopper, accepted, generation_stream,
+                     peak_memory_gb, propose, verdict)
+from .errors import ConfigError
+from .sampling import SamplingParams, make_processors
+
+COMPACT_EVERY = 16  # cycles between packing away the slots rejected drafts left empty
+
+
+@dataclass
+class _Row:
+    id: int
+    run: _Run
+    ids: list[int]
+    stopper: _Stopper
+    prompt_cache: object | None
+    mark: object | None
+    n_cached: int
+    started: float
+    prompt_tps: float = 0.0
+    first_at: float | None = None
+
+
+class SpeculativeBatch:
+    """Rows decoding together; `add` a prompt, `step` once per turn, `remove` a cancelled row.
+
+    Args:
+        target: a `Target`; drafter: a bound `Drafter`, or None (plain batched decoding).
+        block_size: the widest verify block (default the drafter's trained block size).
+        policy: picks each cycle's width, `next_width(max_width, batch) -> int` and
+            `observe(batch, cycle, rows)` (`BatchWidthPolicy`); None: always `block_size`.
+        prefill_step_size: prompt tokens prefilled per `step` for a joining row.
+    """
+
+    def __init__(self, target, drafter=None, *, block_size: int | None = None, policy=None,
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP):
+        if drafter is not None and drafter.target is not target:
+            raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
+        self.target, self.drafter, self.policy = target, drafter, policy
+        self.width = block_size or (drafter.config.block_size if drafter is not None else 1)
+        if drafter is not None and self.width < 2:
+            raise ConfigError(f"block_size must be >= 2 for speculative decoding, got {self.width}")
+        self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
+        self.prefill_step_size = prefill_step_size
+        self.cache = batch_cache.empty_batch(target)
+        self.rows: list[_Row] = []  # decoding, in the order of the batch's rows
+        self.joining: collections.deque[_Row] = collections.deque()  # prompts being prefilled
+        self._ids = itertools.count()
+        self.n_cycles = 0
+        self.last_width = 0
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self.joining)
+
+    # -- rows in and out ----------------------------------------------------------------------
+
+    def add(self, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams | None = None,
+            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None) -> int:
+        """Queue a row for `prompt_ids`; its prompt is prefilled over the next steps. Returns
+        the row's id. `prompt_cache` (a `PromptCache` for this pair) supplies the prefix it
+        reaches exactly and gets the row's caches back when it ends."""
+        params = sampling or SamplingParams()
+        ids = list(prompt_ids)
+        if not ids or max_tokens < 1:
+            raise ConfigError(f"a row needs a prompt and max_tokens >= 1, got {len(ids)} tokens, {max_tokens}")
+        n_cached, mark = 0, None
+        if prompt_cache is not None:
+            prompt_cache.check(self.target, self.drafter, self.width, None)
+            n_cached = prompt_cache.reuse(ids).n_cached
+            cache, context = prompt_cache.target_cache, prompt_cache.context
+            mark = prompt_cache.take_mark if prompt_cache.needs_mark else None
+        else:
+            cache = self.target.make_cache(reserve=self.width)
+            context = self.drafter.begin() if self.drafter is not None else None
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        run = _Run(target=self.target, drafter=self.drafter, params=params, key=mx.random.key(seed),
+                   target_cache=cache, context=context, taps=self.taps, history=list(ids),
+                   processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs, overlap=False,
+                   constraint=constraint)
+        stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
+        row = _Row(next(self._ids), run, ids, stopper, prompt_cache, mark, n_cached, time.perf_counter())
+        self.joining.append(row)
+        return row.id
+
+    def remove(self, row_id: int) -> None:
+        """Drop a row (cancelled); its prompt cache, if any, is reset (it was mid-reply)."""
+        for row in list(self.joining):
+            if row.id == row_id:
+                self.joining.remove(row)
+                if row.prompt_cache is not None:
+                    row.prompt_cache.reset()
+        self._leave([r for r in self.rows if r.id == row_id], keep_cache=False)
+
+    def _leave(self, leaving: list[_Row], keep_cache: bool = True) -> None:
+        if not leaving:
+            return
+        gone = {r.id for r in leaving}
+        for b, row in enumerate(self.rows):
+            if row.id in gone and row.prompt_cache is not None:
+                pc = row.prompt_cache
+                if keep_cache:  # the caches cover history[:fed]: the pool's next turn starts there
+                    pc.target_cache = batch_cache.row_cache(self.cache, b, pc.reserve)
+                    pc.tokens = row.run.history[: row.run.fed]
+                else:
+                    pc.reset()
+        kept = [b for b, r in enumerate(self.rows) if r.id not in gone]
+        batch_cache.keep_rows(self.cache, kept)
+        self.rows = [self.rows[b] for b in kept]
+
+    # -- one turn -----------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[int, GenerationEvent]]:
+        """One prompt chunk of the oldest joining row (if any) and one cycle of the decoding
+        rows; (row id, event) for each row that produced tokens (a row whose event has a
+        finish_reason has left)."""
+        out = []
+        with mx.stream(generation_stream()):
+            if self.joining:
+                out += self._prefill_chunk(self.joining[0])
+            if self.rows:
+                out += self._cycle()
+        return out
+
+    def _prefill_chunk(self, row: _Row) -> list:
+        chunks = iter((True,))  # one chunk now; `_prefill` stops before the next
+        logits = _prefill(row.run, row.ids, self.prefill_step_size, lambda *_: next(chunks, False), row.mark)
+        if logits is None:
+            return []
+        self.joining.popleft()
+        run = row.run
+        first_arr, rows = _choose(run, logits[0], [], run.next_key())
+        first = int(first_arr.item())
+        logprobs = _logprob_list(_logprobs(run, rows, first_arr), [first])
+        row.prompt_tps = (len(row.ids) - row.n_cached) / max(time.perf_counter() - row.started, 1e-9)
+        kept, finish = row.stopper.feed([first])
+        run.history.append(first)
+        finish = _commit(run, [first], finish)
+        if finish is None:
+            batch_cache.add_rows(self.cache, [run.target_cache])
+            run.target_cache = None  # the batch owns the row's caches now
+            self.rows.append(row)
+        elif row.prompt_cache is not None:
+            row.prompt_cache.tokens = run.history[: run.fed]
+        return [(row.id, self._event(row, kept, None, finish, logprobs))]
+
+    def _cycle(self) -> list:
+        B = len(self.rows)
+        w = 1 if self.drafter is None else self.width
+        if self.policy is not None and w > 1:
+            w = max(1, min(self.policy.next_width(w, B), w))
+        self.last_width = w
+        t0 = time.perf_counter()
+        runs = [r.run for r in self.rows]
+        if w >= 2:
+            emitted, n_acc, infos, t1 = self._speculate(runs, w)
+        else:
+            emitted, n_acc, infos, t1 = self._plain(runs)
+        t2 = time.perf_counter()
+        cycle = CycleStats(w, w - 1, 0, 0, t1 - t0, t2 - t1)
+        if self.policy is not None and self.drafter is not None:
+            self.policy.observe(B, cycle, [(w - 1, n) for n in n_acc])
+        out, done = [], []
+        for row, tokens, n, info in zip(self.rows, emitted, n_acc, infos):
+            kept, finish = row.stopper.feed(tokens)
+            row.run.history.extend(tokens)
+            finish = _commit(row.run, tokens, finish)
+            stats = CycleStats(w, w - 1, n, len(tokens), cycle.draft_s, cycle.verify_s)
+            out.append((row.id, self._event(row, kept, stats, finish, info)))
+            if finish is not None:
+                done.append(row)
+        self._leave(done)
+        self.n_cycles += 1
+        if self.n_cycles % COMPACT_EVERY == 0:
+            batch_cache.compact(self.cache)
+        if self.n_cycles % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        return out
+
+    def _speculate(self, runs: list[_Run], w: int):
+        proposals = [propose(run, w) for run in runs]
+        drafts = mx.stack([p[1] for p in proposals])
+        anchors = mx.array([[run.history[-1]] for run in runs], dtype=drafts.dtype)
+        mx.eval(drafts)
+        t1 = time.perf_counter()
+        self.target.arm(self.cache)
+        logits, hidden = self.target.forward(mx.concatenate([anchors, drafts], axis=1), self.cache, self.taps, "all")
+        verdicts = [verdict(run, logits[b], p[1], p[0], p[2]) for b, (run, p) in enumerate(zip(runs, proposals))]
+        mx.eval([v[0] for v in verdicts], [[x for x in v[1] or () if x is not None] for v in verdicts])
+        emitted, n_acc, infos = [], [], []
+        for run, (_, d, _, _), (outputs, info, _) in zip(runs, proposals, verdicts):
+            draft_list = d.tolist()
+            n, nxt = accepted(run, draft_list, outputs)
+            emitted.append(draft_list[:n] + [nxt])
+            n_acc.append(n)
+            infos.append(_logprob_list(info, emitted[-1]))
+        self.target.commit_rows(self.cache, w, [n + 1 for n in n_acc])
+        for b, (run, n) in enumerate(zip(runs, n_acc)):
+            run.context.feed(hidden[b : b + 1, : n + 1])
+            run.fed += n + 1
+        return emitted, n_acc, infos, t1
+
+    def _plain(self, runs: list[_Run]):
+        t1 = time.perf_counter()
+        anchors = mx.array([[run.history[-1]] for run in runs])
+        logits, hidden = self.target.forward(anchors, self.cache, self.taps, "all")
+        picks = [_choose(run, logits[b], [], run.next_key()) for b, run in enumerate(runs)]
+        infos = [_logprobs(run, rows, token) for run, (token, rows) in zip(runs, picks)]
+        mx.eval([t for t, _ in picks], [[x for x in i or () if x is not None] for i in infos])
+        emitted = [[int(t.item())] for t, _ in picks]
+        for b, run in enumerate(runs):
+            if run.context is not None:
+                run.context.feed(hidden[b : b + 1])
+            run.fed += 1
+        return emitted, [0] * len(runs), [_logprob_list(i, e) for i, e in zip(infos, emitted)], t1
+
+    def _event(self, row: _Row, tokens: list[int], cycle, finish, logprobs) -> GenerationEvent:
+        now = time.perf_counter()
+        row.first_at = row.first_at or now
+        n = len(row.stopper.tokens)
+        stopper = row.stopper
+        return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(row.ids),
+                               row.prompt_tps, n, (n - 1) / max(now - row.first_at, 1e-9) if n > 1 else 0.0,
+                               peak_memory_gb(), stopper.matched if finish == "stop" else None,
+                               logprobs[: len(tokens)] if logprobs is not None else None, row.n_cached)

@@ -1,0 +1,227 @@
+"""Speculation across a batch: per-row drafts, one batched verify, per-row rollback.
+
+Every greedy row equals its single-stream output while rows join, leave and keep different
+prefixes of the same verify pass, for every cache kind (KV, sliding window, recurrent); seeded
+rows at T > 0 equal their single-stream draws, and the batch's draws follow the target's
+distribution.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from test_verify import ALPHA, E2E_PARAMS, E2E_PROMPT, _e2e_pvalue, _exact_joint
+from tiny import VOCAB, drafter_config_dict, tiny_drafter, tiny_target
+
+from dflash2_mlx import batch_cache, batch_engine, generate
+from dflash2_mlx.batch_engine import SpeculativeBatch
+from dflash2_mlx.block_policy import FixedBlockPolicy
+from dflash2_mlx.drafter.context import DraftContext
+from dflash2_mlx.drafter.selector import Proposal
+from dflash2_mlx.errors import ConfigError
+from dflash2_mlx.prompt_cache import PromptCache
+from dflash2_mlx.sampling import SamplingParams
+
+PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 30], [1, 61, 62, 63, 64],
+           [1, 12, 13, 14, 15, 16, 17]]
+LENGTHS = [40, 12, 25, 18, 30, 22]
+FAMILIES = ["llama", "qwen3_5", "gemma3_text"]
+
+
+def _run(batch, jobs, join_every=3, cancel=None):
+    """Add `jobs` [(prompt, max_tokens, kwargs)] one every `join_every` steps; {index: tokens}."""
+    ids, out, pending, steps = {}, {}, list(enumerate(jobs)), 0
+    while len(batch) or pending:
+        if pending and steps % join_every == 0:
+            i, (prompt, n, kwargs) = pending.pop(0)
+            ids[batch.add(prompt, n, **kwargs)] = i
+        for rid, event in batch.step():
+            out.setdefault(ids[rid], []).extend(event.tokens)
+            if event.finish_reason is not None:
+                out[ids[rid]].append(event.finish_reason)
+        if cancel is not None and steps == cancel[1]:
+            batch.remove(next(r for r, i in ids.items() if i == cancel[0]))
+        steps += 1
+    return out
+
+
+class ScriptedRows:
+    """A drafter that proposes each row's true continuation with one token corrupted per
+    block, at a depth that cycles per row (offset by three times its index), so rows of one verify
+    pass keep different prefixes and every depth occurs."""
+
+    def __init__(self, target, truths, block_size):
+        from dflash2_mlx.drafter.config import parse_config
+
+        self.config = parse_config(drafter_config_dict("dflash", block_size=block_size, target_layers=(1,)))
+        self.target, self.truths, self.rows = target, list(truths), 0
+        self.accepted = []
+
+    def begin(self, reserve=0):
+        context = DraftContext([], None)
+        context.truth, context.calls, context.seen = self.truths[self.rows], 3 * self.rows, 0
+        self.rows += 1
+        return context
+
+    def draft(self, anchor, context, block_size, temperature=0.0, key=None):
+        context.seen += context.take().shape[1]
+        pos = context.seen  # the anchor's index in prompt + output
+        drafts = list(context.truth[pos + 1 : pos + block_size]) + [3] * block_size
+        drafts = drafts[: block_size - 1]
+        bad = context.calls % (block_size + 1)
+        if bad < block_size - 1:
+            drafts[bad] = (drafts[bad] + 1) % VOCAB
+        context.calls += 1
+        return Proposal(tokens=mx.array([drafts], dtype=mx.int32))
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, arch, block_size=4)
+    batch = SpeculativeBatch(target, drafter, prefill_step_size=4)  # prompts join over several steps
+    jobs = [(p, n, {}) for p, n in zip(PROMPTS, LENGTHS)]
+    out = _run(batch, jobs)
+    for i, (p, n, _) in enumerate(jobs):
+        assert out[i][:-1] == generate(target, p, n, drafter=drafter).tokens, i
+    assert not batch.rows and batch_cache.batch_size(batch.cache) == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_rows_keeping_different_prefixes_of_one_verify_pass(family, monkeypatch):
+    monkeypatch.setattr(batch_cache, "COMPACT_MIN_SLOTS", 8)  # pack holes often
+    monkeypatch.setattr(batch_engine, "COMPACT_EVERY", 2)
+    target = tiny_target(family)
+    plain = [generate(target, p, n).tokens for p, n in zip(PROMPTS, LENGTHS)]
+    drafter = ScriptedRows(target, [p + t + [3] * 20 for p, t in zip(PROMPTS, plain)], 5)
+    accepted = []
+    forward = target.commit_rows
+
+    def spy(cache, n_fed, n_keep):
+        accepted.append(list(n_keep))
+        forward(cache, n_fed, n_keep)
+
+    monkeypatch.setattr(target, "commit_rows", spy)
+    out = _run(SpeculativeBatch(target, drafter, prefill_step_size=64), [(p, n, {}) for p, n in zip(PROMPTS, LENGTHS)],
+               join_every=1)
+    assert [out[i][:-1] for i in range(len(PROMPTS))] == plain
+    assert {k for keep in accepted for k in keep} == set(range(1, 6))  # every depth, in some row
+    assert sum(len(set(keep)) > 1 for keep in accepted) > 10  # rows of one pass kept different counts
+
+
+def test_a_removed_row_leaves_the_others_exact():
+    target = tiny_target("qwen3_5")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    jobs = [(p, n, {}) for p, n in zip(PROMPTS[:4], LENGTHS[:4])]
+    out = _run(SpeculativeBatch(target, drafter), jobs, join_every=1, cancel=(2, 5))
+    assert out[2][-1] != "length" and len(out[2]) < LENGTHS[2]
+    for i in (0, 1, 3):
+        assert out[i][:-1] == generate(target, PROMPTS[i], LENGTHS[i], drafter=drafter).tokens
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_seeded_rows_draw_what_a_single_stream_draws(arch):
+    target = tiny_target("gemma3_text")
+    drafter = tiny_drafter(target, arch, block_size=4, top_k=8)
+    sampling = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in (3, 4, 5)]
+    jobs = [(p, 20, {"sampling": s}) for p, s in zip(PROMPTS, sampling)]
+    # Alone, a reply's last cycles narrow to the tokens left; the batch keeps its width (and
+    # cuts), so the batch's 20 tokens are the first 20 of a longer single-stream reply.
+    alone = [generate(target, p, 40, drafter=drafter, sampling=k["sampling"]).tokens[:20] for p, _, k in jobs]
+    out = _run(SpeculativeBatch(target, drafter, policy=FixedBlockPolicyForBatch(4)), jobs, join_every=1)
+    assert [out[i][:-1] for i in range(3)] == alone
+    assert alone[0] != generate(target, PROMPTS[0], 20, drafter=drafter,
+                                sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=9)).tokens
+
+
+class FixedBlockPolicyForBatch(FixedBlockPolicy):
+    def next_width(self, max_width, batch=1):
+        return min(self.width, max_width)
+
+    def observe(self, batch, cycle=None, rows=None):
+        pass
+
+
+@pytest.mark.slow
+def test_batched_rows_emit_the_target_distribution():
+    """1,200 seeded rows of 3 tokens, 24 to a batch: the first two and three tokens follow the
+    target's exact joint (the single-stream engine's test, through the batch)."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target, "dflash2", block_size=3, top_k=8)
+    counts = {}
+    for start in range(0, 1200, 24):
+        batch = SpeculativeBatch(target, drafter)
+        jobs = [(E2E_PROMPT, 3, {"sampling": SamplingParams(seed=start + i, **E2E_PARAMS)}) for i in range(24)]
+        for tokens in _run(batch, jobs, join_every=1).values():
+            key = tuple(tokens[:-1])
+            counts[key] = counts.get(key, 0) + 1
+    joint = _exact_joint(target)
+    assert _e2e_pvalue(counts, joint, 2) > ALPHA and _e2e_pvalue(counts, joint, 3) > ALPHA
+
+
+def test_penalties_logprobs_and_stops_per_row():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    kinds = [dict(sampling=SamplingParams(repetition_penalty=1.3)), dict(top_logprobs=2), dict(stop=["\x07"]), {}]
+    batch = SpeculativeBatch(target, drafter)
+    events = {}
+    ids = {batch.add(p, 16, **k): i for i, (p, k) in enumerate(zip(PROMPTS, kinds))}
+    while len(batch):
+        for rid, e in batch.step():
+            events.setdefault(ids[rid], []).append(e)
+    for i, k in enumerate(kinds):
+        alone = generate(target, PROMPTS[i], 16, drafter=drafter, **k)
+        assert [t for e in events[i] for t in e.tokens] == alone.tokens
+        assert "".join(e.text for e in events[i]) == alone.text
+    logprobs = [lp for e in events[1] for lp in e.logprobs]
+    assert len(logprobs) == len(alone.tokens) or len(logprobs) == sum(len(e.tokens) for e in events[1])
+    assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_rows_caches_go_back_into_its_prompt_cache(family):
+    """The next turn of a batched reply starts from the caches the batch handed back, and
+    equals a cold run."""
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    cache = PromptCache(target, drafter, reserve=8)
+    batch = SpeculativeBatch(target, drafter)
+    jobs = [(PROMPTS[0], 20, {"prompt_cache": cache}), (PROMPTS[1], 30, {})]
+    reply = _run(batch, jobs, join_every=1)[0][:-1]
+    assert cache.tokens[: len(PROMPTS[0]) + 19] == PROMPTS[0] + reply[:19]
+    turn = PROMPTS[0] + reply + [44, 45]
+    warm = generate(target, turn, 12, drafter=drafter, prompt_cache=cache)
+    assert warm.cached_tokens >= len(PROMPTS[0]) + 10
+    assert warm.tokens == generate(target, turn, 12, drafter=drafter).tokens
+
+
+def test_ragged_cache_mask_matches_positions():
+    cache = batch_cache.RaggedKVCache(window=3)
+    cache.add_rows([_kv(4), _kv(2)])
+    cache.update_and_fetch(mx.zeros((2, 1, 2, 2)), mx.zeros((2, 1, 2, 2)))
+    cache.commit(2, [2, 1])  # row 1 rejects its second token
+    assert cache.lengths.tolist() == [6, 3]
+    assert cache.pos[:, : cache.n_slots].tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, -1, -1, 2, -1]]
+    # The next query (row 0 at position 6, row 1 at 3) sees its window of 3, its own slot last.
+    assert cache.make_mask(1)[:, 0, 0].tolist() == [[False, False, False, False, True, True, True],
+                                                    [False, True, False, False, True, False, True]]
+    row = cache.row_cache(1, reserve=4)
+    assert (row.offset, row.n_stored, row.keys.shape[2]) == (3, 3, 3)
+
+
+def _kv(n):
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    c.update_and_fetch(mx.ones((1, 1, n, 2)), mx.ones((1, 1, n, 2)))
+    return c
+
+
+def test_bad_rows_fail_with_values():
+    target = tiny_target("llama")
+    batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
+    with pytest.raises(ConfigError, match="max_tokens >= 1, got 3 tokens, 0"):
+        batch.add([1, 2, 3], 0)
+    with pytest.raises(ConfigError, match="block_size must be >= 2"):
+        SpeculativeBatch(target, tiny_drafter(target, "dflash2"), block_size=1)
