@@ -42,7 +42,8 @@ COMPACT_EVERY = 16  # cycles between packing away the slots rejected drafts left
 class _Row:
     id: int
     run: _Run
-    ids: list[int]
+    ids: list[int]  # what the caches must cover before decoding: the prompt (and a reply continued)
+    n_prompt: int
     stopper: _Stopper
     prompt_cache: object | None
     mark: object | None
@@ -61,10 +62,12 @@ class SpeculativeBatch:
         policy: picks each cycle's width, `next_width(max_width, batch) -> int` and
             `observe(batch, cycle, rows)` (`BatchWidthPolicy`); None: always `block_size`.
         prefill_step_size: prompt tokens prefilled per `step` for a joining row.
+        fast_greedy: plain steps of bare greedy rows take one argmax over the batch (False:
+            each row's own `_choose`, the slow twin the tests compare).
     """
 
     def __init__(self, target, drafter=None, *, block_size: int | None = None, policy=None,
-                 prefill_step_size: int = DEFAULT_PREFILL_STEP):
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP, fast_greedy: bool = True):
         if drafter is not None and drafter.target is not target:
             raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
         self.target, self.drafter, self.policy = target, drafter, policy
@@ -72,7 +75,7 @@ class SpeculativeBatch:
         if drafter is not None and self.width < 2:
             raise ConfigError(f"block_size must be >= 2 for speculative decoding, got {self.width}")
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
-        self.prefill_step_size = prefill_step_size
+        self.prefill_step_size, self.fast_greedy = prefill_step_size, fast_greedy
         self.cache = batch_cache.empty_batch(target)
         self.rows: list[_Row] = []  # decoding, in the order of the batch's rows
         self.joining: collections.deque[_Row] = collections.deque()  # prompts being prefilled
@@ -86,20 +89,28 @@ class SpeculativeBatch:
     # -- rows in and out ----------------------------------------------------------------------
 
     def add(self, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams | None = None,
-            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None) -> int:
+            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None,
+            reply: list[int] = (), sent: int = 0) -> int:
         """Queue a row for `prompt_ids`; its prompt is prefilled over the next steps. Returns
         the row's id. `prompt_cache` (a `PromptCache` for this pair) supplies the prefix it
-        reaches exactly and gets the row's caches back when it ends."""
+        reaches exactly and gets the row's caches back when it ends.
+
+        `reply` continues a reply another engine started (the single-stream one, handing a
+        reply to the batch): those tokens were emitted, `sent` characters of their text went
+        out, and `max_tokens` counts them; the row prefills what its cache lacks of prompt +
+        reply (usually the last token) and goes on from there."""
         params = sampling or SamplingParams()
-        ids = list(prompt_ids)
-        if not ids or max_tokens < 1:
-            raise ConfigError(f"a row needs a prompt and max_tokens >= 1, got {len(ids)} tokens, {max_tokens}")
+        n_prompt, ids = len(prompt_ids), list(prompt_ids) + list(reply)
+        if not prompt_ids or max_tokens <= len(reply):
+            raise ConfigError(f"a row needs a prompt and max_tokens above its {len(reply)} reply tokens, "
+                              f"got {n_prompt} prompt tokens, max_tokens {max_tokens}")
         n_cached, mark = 0, None
         if prompt_cache is not None:
             prompt_cache.check(self.target, self.drafter, self.width, None)
             n_cached = prompt_cache.reuse(ids).n_cached
+            prompt_cache.prompt_len = n_prompt  # it served this prompt (the reply is the reply)
             cache, context = prompt_cache.target_cache, prompt_cache.context
-            mark = prompt_cache.take_mark if prompt_cache.needs_mark else None
+            mark = prompt_cache.take_mark if prompt_cache.needs_mark and not reply else None
         else:
             cache = self.target.make_cache(reserve=self.width)
             context = self.drafter.begin() if self.drafter is not None else None
@@ -109,7 +120,9 @@ class SpeculativeBatch:
                    processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs, overlap=False,
                    constraint=constraint)
         stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
-        row = _Row(next(self._ids), run, ids, stopper, prompt_cache, mark, n_cached, time.perf_counter())
+        if reply:  # a grammar, if any, has already advanced over the reply
+            stopper.prime(list(reply), sent)
+        row = _Row(next(self._ids), run, ids, n_prompt, stopper, prompt_cache, mark, n_cached, time.perf_counter())
         self.joining.append(row)
         return row.id
 
@@ -187,7 +200,7 @@ class SpeculativeBatch:
         else:
             emitted, n_acc, infos, t1 = self._plain(runs)
         t2 = time.perf_counter()
-        cycle = CycleStats(w, w - 1, 0, 0, t1 - t0, t2 - t1)
+        cycle = CycleStats(w, w - 1, round(sum(n_acc) / B), 0, t1 - t0, t2 - t1)  # the policy's view: a mean row
         if self.policy is not None and self.drafter is not None:
             self.policy.observe(B, cycle, [(w - 1, n) for n in n_acc])
         out, done = [], []
@@ -234,22 +247,32 @@ class SpeculativeBatch:
         t1 = time.perf_counter()
         anchors = mx.array([[run.history[-1]] for run in runs])
         logits, hidden = self.target.forward(anchors, self.cache, self.taps, "all")
-        picks = [_choose(run, logits[b], [], run.next_key()) for b, run in enumerate(runs)]
-        infos = [_logprobs(run, rows, token) for run, (token, rows) in zip(runs, picks)]
-        mx.eval([t for t, _ in picks], [[x for x in i or () if x is not None] for i in infos])
-        emitted = [[int(t.item())] for t, _ in picks]
+        if self.fast_greedy and all(_bare_greedy(run) for run in runs):  # one argmax for the whole batch
+            emitted = [[t] for t in mx.argmax(logits[:, -1], axis=-1).tolist()]
+            infos = [None] * len(runs)
+        else:
+            picks = [_choose(run, logits[b], [], run.next_key()) for b, run in enumerate(runs)]
+            infos = [_logprobs(run, rows, token) for run, (token, rows) in zip(runs, picks)]
+            mx.eval([t for t, _ in picks], [[x for x in i or () if x is not None] for i in infos])
+            emitted = [[int(t.item())] for t, _ in picks]
         for b, run in enumerate(runs):
             if run.context is not None:
                 run.context.feed(hidden[b : b + 1])
             run.fed += 1
         return emitted, [0] * len(runs), [_logprob_list(i, e) for i, e in zip(infos, emitted)], t1
 
+
     def _event(self, row: _Row, tokens: list[int], cycle, finish, logprobs) -> GenerationEvent:
         now = time.perf_counter()
         row.first_at = row.first_at or now
         n = len(row.stopper.tokens)
         stopper = row.stopper
-        return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(row.ids),
+        return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, row.n_prompt,
                                row.prompt_tps, n, (n - 1) / max(now - row.first_at, 1e-9) if n > 1 else 0.0,
                                peak_memory_gb(), stopper.matched if finish == "stop" else None,
                                logprobs[: len(tokens)] if logprobs is not None else None, row.n_cached)
+
+
+def _bare_greedy(run: _Run) -> bool:
+    """Whether the row's plain pick is the bare argmax (no penalties, grammar or log-probabilities)."""
+    return run.params.greedy and not run.processors and run.constraint is None and run.top_logprobs is None

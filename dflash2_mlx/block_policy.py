@@ -274,13 +274,15 @@ class AdaptiveBlockPolicy:
         self.trace.widths.append(width)
         return width
 
-    def observe(self, cycle) -> None:
-        """Learn from a `CycleStats`: acceptance from speculative cycles, overheads from all."""
+    def observe(self, cycle, rows: list[tuple[int, int]] | None = None) -> None:
+        """Learn from a `CycleStats`: acceptance from speculative cycles, overheads from all.
+        A batch's cycle passes each row's (drafted, accepted) as `rows`."""
         if cycle.n_drafted > 0:
             self.plain_run = 0
             if self.probing and self._beat_plain(cycle):
                 self.acceptance.reset()  # the text changed since the evidence was gathered
-            self.acceptance.observe(cycle.n_drafted, cycle.n_accepted)
+            for drafted, accepted in rows or [(cycle.n_drafted, cycle.n_accepted)]:
+                self.acceptance.observe(drafted, accepted)
             self.spec_overhead_s = self._update_overhead(self.spec_overhead_s, cycle)
             if self.probing:
                 won = self.choice(cycle.width).speculate
@@ -304,6 +306,53 @@ class AdaptiveBlockPolicy:
         # Clip single observations: the first cycle also pays the drafter's prompt context.
         delta = min(max(cycle.draft_s + cycle.verify_s - base, -base / 2), overhead + base)
         return (1 - self.cost_ema) * overhead + self.cost_ema * delta
+
+
+def batch_costs(costs: Costs, batch: int) -> Costs:
+    """Prior costs of a cycle over `batch` rows, from the single-row calibration: a batched
+    verify of width w reads the weights once, like one forward of batch·w tokens (extrapolated
+    along the last calibrated slope past the widest width); drafts run once per row. The
+    policy corrects these by the cycle times it measures at that batch size."""
+    t = costs.target_s
+
+    def forward(n: int) -> float:
+        if n <= len(t):
+            return t[n - 1]
+        slope = max(t[-1] - t[-2], 0.0) if len(t) > 1 else t[0]
+        return t[-1] + slope * (n - len(t))
+
+    return Costs(tuple(forward(batch * w) for w in range(1, len(t) + 1)),
+                 tuple(batch * d for d in costs.draft_s))
+
+
+class BatchWidthPolicy:
+    """Each batch cycle's width (1 = plain batched decoding): an `AdaptiveBlockPolicy` per
+    batch size, with that size's costs (`batch_costs`) and its own learned overheads, all
+    sharing one acceptance estimate (acceptance belongs to the drafter and the text, not to
+    the batch). So speculation turns off at a concurrency where it stops paying.
+
+    `width` and `batch` hold the last choice (for `/metrics`)."""
+
+    def __init__(self, costs: Costs, **policy_kwargs):
+        self.costs, self.policy_kwargs = costs, policy_kwargs
+        self.by_batch: dict[int, AdaptiveBlockPolicy] = {}
+        self.acceptance = self.policy(1).acceptance
+        self.width = self.batch = 0
+
+    def policy(self, batch: int) -> AdaptiveBlockPolicy:
+        p = self.by_batch.get(batch)
+        if p is None:
+            p = self.by_batch[batch] = AdaptiveBlockPolicy(batch_costs(self.costs, batch), **self.policy_kwargs)
+            if self.by_batch.get(1) is not None and batch != 1:
+                p.acceptance = self.acceptance
+        return p
+
+    def next_width(self, max_width: int, batch: int) -> int:
+        self.width, self.batch = self.policy(batch).next_width(max_width), batch
+        return self.width
+
+    def observe(self, batch: int, cycle, rows: list[tuple[int, int]]) -> None:
+        self.policy(batch).observe(cycle, rows)
 
 
 class FixedBlockPolicy:

@@ -8,6 +8,8 @@ distribution.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlx.core as mx
 import pytest
 from test_verify import ALPHA, E2E_PARAMS, E2E_PROMPT, _e2e_pvalue, _exact_joint
@@ -15,7 +17,7 @@ from tiny import VOCAB, drafter_config_dict, tiny_drafter, tiny_target
 
 from dflash2_mlx import batch_cache, batch_engine, generate
 from dflash2_mlx.batch_engine import SpeculativeBatch
-from dflash2_mlx.block_policy import FixedBlockPolicy
+from dflash2_mlx.block_policy import BatchWidthPolicy, Costs, batch_costs
 from dflash2_mlx.drafter.context import DraftContext
 from dflash2_mlx.drafter.selector import Proposal
 from dflash2_mlx.errors import ConfigError
@@ -129,18 +131,10 @@ def test_seeded_rows_draw_what_a_single_stream_draws(arch):
     # Alone, a reply's last cycles narrow to the tokens left; the batch keeps its width (and
     # cuts), so the batch's 20 tokens are the first 20 of a longer single-stream reply.
     alone = [generate(target, p, 40, drafter=drafter, sampling=k["sampling"]).tokens[:20] for p, _, k in jobs]
-    out = _run(SpeculativeBatch(target, drafter, policy=FixedBlockPolicyForBatch(4)), jobs, join_every=1)
+    out = _run(SpeculativeBatch(target, drafter, block_size=4), jobs, join_every=1)
     assert [out[i][:-1] for i in range(3)] == alone
     assert alone[0] != generate(target, PROMPTS[0], 20, drafter=drafter,
                                 sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=9)).tokens
-
-
-class FixedBlockPolicyForBatch(FixedBlockPolicy):
-    def next_width(self, max_width, batch=1):
-        return min(self.width, max_width)
-
-    def observe(self, batch, cycle=None, rows=None):
-        pass
 
 
 @pytest.mark.slow
@@ -221,7 +215,23 @@ def _kv(n):
 def test_bad_rows_fail_with_values():
     target = tiny_target("llama")
     batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
-    with pytest.raises(ConfigError, match="max_tokens >= 1, got 3 tokens, 0"):
+    with pytest.raises(ConfigError, match="above its 0 reply tokens, got 3 prompt tokens, max_tokens 0"):
         batch.add([1, 2, 3], 0)
     with pytest.raises(ConfigError, match="block_size must be >= 2"):
         SpeculativeBatch(target, tiny_drafter(target, "dflash2"), block_size=1)
+
+
+def test_batch_costs_and_the_width_policy_by_load():
+    costs = Costs((0.05, 0.06, 0.07, 0.08), (0.0, 0.01, 0.01, 0.01))
+    four = batch_costs(costs, 4)
+    assert four.target_s == pytest.approx((0.08, 0.08 + 4 * 0.01, 0.08 + 8 * 0.01, 0.08 + 12 * 0.01))
+    assert four.draft_s == pytest.approx((0.0, 0.04, 0.04, 0.04))
+    policy = BatchWidthPolicy(costs, probe_every=0)  # prior acceptance 0.6 per position
+    assert policy.next_width(4, 1) == 3  # one row: 1.96 tokens for 1.6 plain steps
+    assert policy.next_width(4, 4) == 1  # four rows: 1.6 tokens for 2 plain steps at best (width 2)
+    assert policy.policy(4).acceptance is policy.policy(1).acceptance
+    assert (policy.width, policy.batch) == (1, 4)
+    for _ in range(40):  # drafts that never land turn one row's speculation off too
+        policy.observe(1, SimpleNamespace(width=4, n_drafted=3, n_accepted=0, draft_s=0.01, verify_s=0.07),
+                       [(3, 0)])
+    assert policy.next_width(4, 1) == 1

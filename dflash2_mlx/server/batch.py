@@ -1,141 +1,113 @@
-"""Requests that arrive while others run decode together, in one batch (mlx-lm's BatchGenerator).
+"""Requests that arrive while others run decode together, speculatively, in one batch.
 
-The worker gives the first request in flight the single-stream engine (speculative decoding,
-the prefix cache); requests that arrive while it runs join a `BatchRun`: mlx-lm's
-`BatchGenerator` decodes all of them plainly, one token per row per step, rows joining and
-leaving between steps and prompts prefilled in chunks. Speculation stops paying as the batch
-grows (a batched verify reads the weights once per row block); until the engine verifies
-batches itself, batched rows decode plainly, which is what mlx-lm's own server does.
+The worker gives the first request in flight the single-stream engine; requests that arrive
+while it runs join a `BatchRun`, a `SpeculativeBatch` (`batch_engine.py`): per-row drafts,
+one batched verify, per-row acceptance and rollback, rows joining and leaving between
+cycles and prompts prefilled a chunk per step. Each cycle's width comes from the session's
+block size: fixed, or with `--block-size auto` a `BatchWidthPolicy` that picks it for the
+current batch size from this machine's measured costs (plain batched decoding when
+speculation does not pay at that concurrency). Once a batch exists, the solo reply moves
+into it (`adopt`), drafter context and caches included, whatever the target's cache kinds.
 
-Each row keeps the engine's `_Stopper` (EOS, stop strings, max_tokens, text) and gets events of
-the engine's shape, so the API layers cannot tell a batched reply from a single-stream one.
-A row is batchable when nothing in it needs the single-stream engine: no grammar, no
-log-probabilities, no seed (a seeded reply must not depend on its neighbours), no penalties.
+Rows get the engine's events, so the API layers cannot tell a batched reply from a
+single-stream one; a row's prompt cache (from the pool) gets its caches back when it ends.
+A row is batchable unless it is seeded: a seeded reply must give the same tokens whether it
+arrives alone or beside others, and the batch's widths follow the load.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
+import dataclasses
 
-from ..engine import CycleStats, GenerationEvent, _Stopper, generation_stream, peak_memory_gb
+from ..batch_engine import SpeculativeBatch
 
 
 def batchable(job) -> bool:
     """Whether `job` can decode in the batch (see the module docstring)."""
-    s = job.sampling
-    penalties = s.repetition_penalty not in (0.0, 1.0) or s.presence_penalty or s.frequency_penalty
-    return job.constraint is None and job.top_logprobs is None and s.seed is None and not penalties
+    return job.sampling.seed is None
 
 
 def can_adopt(cache) -> bool:
-    """Whether a single-stream reply's caches can move into the batch: mlx-lm's own KV caches
-    (the rolled-back window and recurrent kinds of the engine are not its batch kinds)."""
-    from mlx_lm.models.cache import KVCache
-
-    return cache is not None and all(type(c) is KVCache for c in cache.target_cache)
+    """Whether a single-stream reply can move into the batch: its caches must outlive the
+    engine's run (a `PromptCache`; any cache kind the engine rolls back will do)."""
+    return cache is not None
 
 
-def _sampler(s):
-    from mlx_lm.sample_utils import make_sampler
+def batch_policy(session):
+    """The batch's width policy for a session: None (its fixed width) unless `--block-size auto`."""
+    if session.drafter is None or session.block_size != "auto":
+        return None
+    from ..block_policy import BatchWidthPolicy
 
-    return make_sampler(temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
-
-
-@dataclass
-class _Row:
-    job: object
-    stopper: _Stopper
-    last: float  # when the previous token of this row came back (perf_counter)
-    first_at: float | None = None
-    cached: int = 0  # prompt tokens the prefix cache supplied
+    session.prepare()  # the calibration, measured once per machine
+    return BatchWidthPolicy(session.policy.costs)
 
 
 class BatchRun:
     """The running batch: `add` a job, `step` once per worker turn, `remove` a cancelled one."""
 
-    def __init__(self, target, max_batch: int, prefill_chunk: int):
-        from mlx_lm.generate import BatchGenerator
-
-        self.target = target
-        # On this (the worker's) thread's generation stream: MLX streams belong to their thread.
-        self.generator = BatchGenerator(target.model, stop_tokens=[[t] for t in sorted(target.eos_token_ids)],
-                                        completion_batch_size=max_batch, prefill_batch_size=min(8, max_batch),
-                                        prefill_step_size=prefill_chunk, stream=generation_stream())
+    def __init__(self, session, max_batch: int, prefill_chunk: int, policy=None):
+        width = session.block_size if isinstance(session.block_size, int) else None
+        self.engine = SpeculativeBatch(session.target, session.drafter, block_size=width, policy=policy,
+                                       prefill_step_size=prefill_chunk)
         self.max_batch = max_batch
-        self.rows: dict[int, _Row] = {}
+        self.jobs: dict[int, object] = {}  # row id -> job
+        self.caches: dict[int, object] = {}  # row id -> its PromptCache (from the pool), if any
+        self._cached: dict[int, int] = {}  # row id -> cached tokens to report (a reply that moved in)
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.jobs)
 
     @property
     def full(self) -> bool:
-        return len(self.rows) >= self.max_batch
+        return len(self.jobs) >= self.max_batch
 
-    def add(self, job, cache=None) -> int:
-        """Start `job` in the batch; `cache` (a `PromptCache` copy the batch may keep, see
-        `can_adopt`) supplies the prefix of the prompt it reaches exactly. Returns how many
-        prompt tokens it supplied."""
-        ids, caches, n = list(job.prompt_ids), None, 0
-        if can_adopt(cache):
-            n = cache.reuse(ids).n_cached
-            caches = [cache.target_cache] if n else None
-        (uid,) = self.generator.insert([ids[n:]], max_tokens=[job.max_tokens], samplers=[_sampler(job.sampling)],
-                                       caches=caches)
-        stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(job.stop), job.max_tokens)
-        self.rows[uid] = _Row(job, stopper, time.perf_counter(), cached=n if caches else 0)
-        return self.rows[uid].cached
+    @property
+    def width(self) -> int:
+        """The last cycle's verify width (1: plain batched decoding; 0: none ran yet)."""
+        return self.engine.last_width
+
+    def add(self, job, cache=None) -> None:
+        """Start `job` in the batch; `cache` (a `PromptCache` checked out of the pool, or None)
+        supplies the prefix of the prompt it reaches exactly and gets the caches back."""
+        rid = self.engine.add(job.prompt_ids, job.max_tokens, sampling=job.sampling, stop=job.stop,
+                              top_logprobs=job.top_logprobs, constraint=job.constraint, prompt_cache=cache)
+        self.jobs[rid], self.caches[rid] = job, cache
 
     def adopt(self, job, cache, emitted: list[int], sent: int) -> None:
-        """Continue a reply the single-stream engine started: `cache` (a `PromptCache` whose
-        target caches are plain KV caches, see `can_adopt`) covers a prefix of prompt +
+        """Continue a reply the single-stream engine started: `cache` covers a prefix of prompt +
         `emitted`; `sent` characters of the text went out already."""
-        history = list(job.prompt_ids) + list(emitted)
-        n = len(cache.tokens)
-        if n >= len(history):  # the last token is in the cache (a queued plain step): feed it again
-            for c in cache.target_cache:
-                c.trim(n - len(history) + 1)
-            n = len(history) - 1
-        (uid,) = self.generator.insert([history[n:]], max_tokens=[job.max_tokens - len(emitted)],
-                                       caches=[cache.target_cache], samplers=[_sampler(job.sampling)])
-        stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(job.stop), job.max_tokens)
-        stopper.prime(emitted, sent)
-        now = time.perf_counter()
-        self.rows[uid] = _Row(job, stopper, now, first_at=job.stats.first_token_at or now)
+        rid = self.engine.add(job.prompt_ids, job.max_tokens, sampling=job.sampling, stop=job.stop,
+                              top_logprobs=job.top_logprobs, constraint=job.constraint, prompt_cache=cache,
+                              reply=emitted, sent=sent)
+        self.jobs[rid], self.caches[rid], self._cached[rid] = job, cache, job.stats.cached_tokens
 
-    def remove(self, job) -> None:
-        for uid, row in list(self.rows.items()):
-            if row.job is job:
-                self.generator.remove([uid])
-                del self.rows[uid]
+    def remove(self, job):
+        """Drop a cancelled job; returns its prompt cache (reset: the reply was cut mid-cycle)."""
+        for rid, j in list(self.jobs.items()):
+            if j is job:
+                self.engine.remove(rid)
+                del self.jobs[rid]
+                self._cached.pop(rid, None)
+                return self.caches.pop(rid)
+        return None
 
-    def step(self) -> list[tuple[object, GenerationEvent]]:
-        """One batch step; (job, event) for each row that produced a token (a finished row's
-        event has its finish_reason and the row is gone from the batch)."""
-        _, responses = self.generator.next()
-        now = time.perf_counter()
+    def step(self) -> list[tuple[object, object, object]]:
+        """One batch step: (job, event, cache) for each row that produced tokens; `cache` is
+        the row's prompt cache, handed back, when the event ends the row (else None)."""
         out = []
-        for r in responses:
-            row = self.rows.get(r.uid)
-            if row is None:  # removed (cancelled) after it was scheduled
-                continue
-            out.append((row.job, self._event(row, r, now)))
+        for rid, event in self.engine.step():
+            job = self.jobs[rid]
+            if rid in self._cached:
+                event = dataclasses.replace(event, cached_tokens=self._cached[rid])
+            cache = None
+            if event.finish_reason is not None:
+                del self.jobs[rid]
+                self._cached.pop(rid, None)
+                cache = self.caches.pop(rid)
+            out.append((job, event, cache))
         return out
 
-    def _event(self, row: _Row, r, now: float) -> GenerationEvent:
-        kept, finish = row.stopper.feed([int(r.token)])
-        if finish is None and r.finish_reason is not None:
-            finish = "length" if r.finish_reason == "length" else "stop"
-        if finish is not None:
-            del self.rows[r.uid]
-            if r.finish_reason is None:  # a stop string: the generator does not know
-                self.generator.remove([r.uid])
-        cycle = None if row.first_at is None else CycleStats(1, 0, 0, 1, 0.0, now - row.last)
-        row.first_at = row.first_at or now
-        row.last = now
-        n = len(row.stopper.tokens)
-        elapsed = max(now - row.first_at, 1e-9)
-        return GenerationEvent(row.stopper.new_text(finish is not None), kept, cycle, finish,
-                               len(row.job.prompt_ids), 0.0, n, (n - 1) / elapsed if n > 1 else 0.0,
-                               peak_memory_gb(), row.stopper.matched if finish == "stop" else None,
-                               cached_tokens=row.cached)
+    def rows_tau(self) -> list[float]:
+        """Each running row's tokens per speculative cycle so far."""
+        return [j.stats.tokens_per_cycle for j in self.jobs.values()]

@@ -66,6 +66,8 @@ class Metrics:
         self.handoffs = 0
         self.solo_width = 0  # the single-stream reply's last verify width (0: none running)
         self.solo_tau = 0.0  # its tokens per speculative cycle so far
+        self.batch_width = 0  # the batch's last verify width (1: plain batched decoding; 0: no batch)
+        self.batch_tau: list[float] = []  # each batched row's tokens per speculative cycle so far
         self._recent: collections.deque = collections.deque()  # (time, tokens) posted, for the rate
         self.prefill_done = 0
         self.prefill_total = 0
@@ -108,6 +110,13 @@ class Metrics:
         moved into the batch, where every row decodes at width 1) and its τ so far."""
         with self._lock:
             self.solo_width, self.solo_tau = width, tau
+
+    def batch_cycle(self, width: int, rows_tau: list[float]) -> None:
+        """The batch's last cycle: its verify width (1: plain batched decoding) and each running
+        row's τ so far."""
+        with self._lock:
+            self.batch_width = width
+            self.batch_tau = rows_tau
 
     def batch_size(self, n: int) -> None:
         """Rows decoding together in the batch now (the solo job not counted)."""
@@ -201,13 +210,19 @@ class Metrics:
             ("dflash2_queue_depth", "gauge", "Jobs waiting for the generation worker.", [({}, self.depth)]),
             ("dflash2_requests_running", "gauge", "Jobs the generation worker is running (solo and batched).",
              [({}, self.running)]),
-            ("dflash2_batch_size", "gauge", "Jobs decoding together in the plain batch now.", [({}, self.batch)]),
+            ("dflash2_batch_size", "gauge", "Jobs decoding together in the batch now.", [({}, self.batch)]),
             ("dflash2_batch_size_max", "gauge", "The largest batch so far.", [({}, self.batch_max)]),
             ("dflash2_generated_tokens_per_second", "gauge",
              f"Tokens to all clients per second over the last {RATE_WINDOW_S:g} s (aggregate).",
              [({}, round(self.aggregate_tps(), 3))]),
             ("dflash2_solo_width", "gauge", "Verify width of the single-stream reply's last cycle (1: a plain "
-             "step; 0: none running). Batched rows decode at width 1.", [({}, self.solo_width)]),
+             "step; 0: none running).", [({}, self.solo_width)]),
+            ("dflash2_batch_width", "gauge", "Verify width of the batch's last cycle, the same for every row "
+             "(1: plain batched decoding, where speculation does not pay at this batch size; 0: no batch).",
+             [({}, self.batch_width if self.batch else 0)]),
+            ("dflash2_batch_row_tokens_per_cycle", "gauge", "Tokens per speculative cycle of the batched "
+             "rows' replies so far (tau per row: min, mean, max; 0 without a batch).",
+             [({"stat": k}, round(v, 6)) for k, v in _spread(self.batch_tau if self.batch else [])]),
             ("dflash2_solo_tokens_per_cycle", "gauge", "Tokens per speculative cycle of the running "
              "single-stream reply (its tau so far; 0 when none).", [({}, round(self.solo_tau, 6))]),
             ("dflash2_solo_handoffs_total", "counter", "Speculative replies moved into the batch when one formed.",
@@ -246,3 +261,9 @@ def parse(text: str) -> dict:
             key, _, value = line.rpartition(" ")
             out[key] = float(value)
     return out
+
+
+def _spread(values: list[float]) -> list[tuple[str, float]]:
+    if not values:
+        return [("min", 0.0), ("mean", 0.0), ("max", 0.0)]
+    return [("min", min(values)), ("mean", sum(values) / len(values)), ("max", max(values))]

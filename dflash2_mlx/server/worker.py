@@ -221,6 +221,7 @@ class GenerationWorker:
         self._running: list[Job] = []
         self._solo_job = self._solo_cache = None  # the solo run's job and prompt cache
         self._solo_yielded = False
+        self._batch_policy = None  # the batch's width policy (`--block-size auto`), made with the first batch
         self._accepting = True
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="dflash2-generation", daemon=True)
@@ -367,17 +368,17 @@ class GenerationWorker:
         return True
 
     def _add_to_batch(self, batch, job: Job) -> None:
-        """A joining job starts from a copy of its best prefix-cache entry when the batch can
-        take that entry's caches (the entry stays for the conversation's solo turns)."""
-        cache = self.prompt_caches.borrow(job.prompt_ids) if self.prompt_caches is not None else None
-        n_cached = batch.add(job, cache)
-        if self.prompt_caches is not None:
-            self.prompt_caches.record(n_cached)
+        """A joining job checks out its best prefix-cache entry, as a solo one does; the batch
+        hands the caches back when the row ends."""
+        cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
+        batch.add(job, cache)
 
     def _new_batch(self):
-        from .batch import BatchRun
+        from .batch import BatchRun, batch_policy
 
-        return BatchRun(self.session.target, self.max_batch, self.prefill_chunk)
+        if self._batch_policy is None:  # one for the worker: it keeps learning across batches
+            self._batch_policy = batch_policy(self.session)
+        return BatchRun(self.session, self.max_batch, self.prefill_chunk, self._batch_policy)
 
     def _on_prefill(self, job: Job):
         def progress(done: int, total: int) -> bool:
@@ -466,27 +467,40 @@ class GenerationWorker:
 
     def _step_batch(self, batch) -> None:
         """Drop cancelled rows, run one batch step, post its events."""
-        for row in list(batch.rows.values()):
-            if row.job.cancelled.is_set():
-                batch.remove(row.job)
-                self._finish(row.job)
-                self._end(row.job)
+        for job in list(batch.jobs.values()):
+            if job.cancelled.is_set():
+                batch.remove(job)  # its prompt cache was reset: the reply was cut
+                self._finish(job)
+                self._end(job)
         if not batch:
             return
         try:
             produced = batch.step()
+        except DFlashError as e:
+            self._fail_batch(batch, Failed(400, str(e)))
+            return
         except Exception as e:  # noqa: BLE001 - a bug must reach every client as a 500, not kill the worker
             log.exception("batched generation failed")
-            for row in list(batch.rows.values()):
-                row.job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
-                self._end(row.job)
-            batch.rows.clear()
+            self._fail_batch(batch, Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
             return
         if self.metrics is not None:
-            self.metrics.tokens_posted(sum(len(event.tokens) for _, event in produced))
-        for job, event in produced:
+            self.metrics.tokens_posted(sum(len(event.tokens) for _, event, _ in produced))
+        for job, event, cache in produced:
             job.stats.observe(event)
             job.post(event)
             if event.finish_reason is not None:
+                if self.prompt_caches is not None:
+                    self.prompt_caches.checkin(cache)
                 self._finish(job)
                 self._end(job)
+        if self.metrics is not None:
+            self.metrics.batch_cycle(batch.width, batch.rows_tau())
+
+    def _fail_batch(self, batch, failure: Failed) -> None:
+        """Fail every row: a batch step that raised leaves the batch's state unknown, so the
+        batch is dropped (emptied, the loop lets it go) and its caches are not reused."""
+        jobs = list(batch.jobs.values())
+        batch.jobs.clear()
+        for job in jobs:
+            job.post(failure)
+            self._end(job)
