@@ -13,8 +13,9 @@ history). A cycle of width w (the same for every row, chosen per cycle by a poli
 
 Token choice is the single-stream engine's own code (`propose`, `verdict`, `accepted`,
 `_choose`), so every greedy row equals its single-stream output. Rows join between cycles:
-a new row's prompt is prefilled alone, one chunk per `step` (running rows keep decoding),
-then its single-row caches are appended to the batch. A row that finishes leaves at once;
+a new row's prompt is prefilled alone, up to `prefill_step_size` tokens per `step` shared by
+the joining rows (running rows keep decoding), then its single-row caches are appended to
+the batch. A row that finishes leaves at once;
 with a `PromptCache`, its caches go back into it.
 """
 
@@ -154,20 +155,27 @@ class SpeculativeBatch:
     # -- one turn -----------------------------------------------------------------------------
 
     def step(self) -> list[tuple[int, GenerationEvent]]:
-        """One prompt chunk of the oldest joining row (if any) and one cycle of the decoding
-        rows; (row id, event) for each row that produced tokens (a row whose event has a
-        finish_reason has left)."""
+        """Up to `prefill_step_size` prompt tokens of the joining rows (oldest first) and one
+        cycle of the decoding rows; (row id, event) for each row that produced tokens (a row
+        whose event has a finish_reason has left)."""
         out = []
         with mx.stream(generation_stream()):
-            if self.joining:
-                out += self._prefill_chunk(self.joining[0])
+            budget = self.prefill_step_size  # prompt tokens this step, shared by the joining rows in order
+            while self.joining and budget > 0:
+                row, fed = self.joining[0], self.joining[0].run.fed
+                out += self._prefill_chunk(row, budget)
+                budget -= row.run.fed - fed
+                if self.joining and self.joining[0] is row:
+                    break  # its prompt goes on next step
             if self.rows:
                 out += self._cycle()
         return out
 
-    def _prefill_chunk(self, row: _Row) -> list:
-        chunks = iter((True,))  # one chunk now; `_prefill` stops before the next
-        logits = _prefill(row.run, row.ids, self.prefill_step_size, lambda *_: next(chunks, False), row.mark)
+    def _prefill_chunk(self, row: _Row, budget: int) -> list:
+        """Prefill up to `budget` more prompt tokens of `row` (and, at the mark, the last one);
+        a row whose prompt is done gets its first token and joins the batch."""
+        start, last = row.run.fed, len(row.ids) - 1
+        logits = _prefill(row.run, row.ids, budget, lambda at, _: at in (start, last), row.mark)
         if logits is None:
             return []
         self.joining.popleft()

@@ -331,20 +331,31 @@ class BatchWidthPolicy:
     sharing one acceptance estimate (acceptance belongs to the drafter and the text, not to
     the batch). So speculation turns off at a concurrency where it stops paying.
 
-    `width` and `batch` hold the last choice (for `/metrics`)."""
+    A new batch size starts from the overheads learned at the nearest size seen, scaled by the
+    row count (host work and attention grow with the rows), so it does not relearn them from
+    zero. `acceptance` may be shared with the single-stream policy. `width` and `batch` hold
+    the last choice (for `/metrics`)."""
 
-    def __init__(self, costs: Costs, **policy_kwargs):
+    def __init__(self, costs: Costs, acceptance: AcceptanceEstimate | None = None, **policy_kwargs):
         self.costs, self.policy_kwargs = costs, policy_kwargs
         self.by_batch: dict[int, AdaptiveBlockPolicy] = {}
-        self.acceptance = self.policy(1).acceptance
+        self.acceptance = acceptance
         self.width = self.batch = 0
 
     def policy(self, batch: int) -> AdaptiveBlockPolicy:
         p = self.by_batch.get(batch)
-        if p is None:
-            p = self.by_batch[batch] = AdaptiveBlockPolicy(batch_costs(self.costs, batch), **self.policy_kwargs)
-            if self.by_batch.get(1) is not None and batch != 1:
-                p.acceptance = self.acceptance
+        if p is not None:
+            return p
+        p = AdaptiveBlockPolicy(batch_costs(self.costs, batch), **self.policy_kwargs)
+        if self.acceptance is None:
+            self.acceptance = p.acceptance
+        p.acceptance = self.acceptance
+        if self.by_batch:
+            near = min(self.by_batch, key=lambda b: abs(b - batch))
+            scale = batch / near
+            p.plain_overhead_s = self.by_batch[near].plain_overhead_s * scale
+            p.spec_overhead_s = self.by_batch[near].spec_overhead_s * scale
+        self.by_batch[batch] = p
         return p
 
     def next_width(self, max_width: int, batch: int) -> int:

@@ -231,6 +231,8 @@ def test_batch_costs_and_the_width_policy_by_load():
     assert policy.next_width(4, 4) == 1  # four rows: 1.6 tokens for 2 plain steps at best (width 2)
     assert policy.policy(4).acceptance is policy.policy(1).acceptance
     assert (policy.width, policy.batch) == (1, 4)
+    policy.policy(4).plain_overhead_s = 0.02
+    assert policy.policy(8).plain_overhead_s == pytest.approx(0.04)  # from the nearest size, per row
     for _ in range(40):  # drafts that never land turn one row's speculation off too
         policy.observe(1, SimpleNamespace(width=4, n_drafted=3, n_accepted=0, draft_s=0.01, verify_s=0.07),
                        [(3, 0)])

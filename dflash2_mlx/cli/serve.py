@@ -84,9 +84,11 @@ def serve(
                                                     "is noticed between steps.")] = 512,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1,
                                            help="Requests decoding together: the first in flight runs "
-                                                "alone with speculation, those arriving meanwhile join "
-                                                "one batch of plain decoding (1: strictly one at a "
-                                                "time).")] = 8,
+                                                "alone, those arriving meanwhile join one speculative "
+                                                "batch (per-row drafts, one batched verify; with "
+                                                "--block-size auto the width follows the load, down to "
+                                                "plain batched decoding) and the first moves into it "
+                                                "(1: strictly one at a time).")] = 8,
     prompt_cache_bytes: Annotated[str, typer.Option("--prompt-cache-bytes", metavar="SIZE",
                                                     help="Memory for the prefix cache: the caches of recent "
                                                          "conversations, so a request resending a history "

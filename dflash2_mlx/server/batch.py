@@ -40,7 +40,8 @@ def batch_policy(session):
     from ..block_policy import BatchWidthPolicy
 
     session.prepare()  # the calibration, measured once per machine
-    return BatchWidthPolicy(session.policy.costs)
+    # The drafts' acceptance is the drafter's on this traffic, whether a row runs alone or batched.
+    return BatchWidthPolicy(session.policy.costs, acceptance=session.policy.acceptance)
 
 
 class BatchRun:

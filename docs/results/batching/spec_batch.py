@@ -11,7 +11,8 @@ decode `--max-tokens` each in every mode, modes interleaved per level after a wa
 * `ours auto`: the width chosen per cycle by `BatchWidthPolicy` from this machine's calibration.
 
 Aggregate decode tok/s = tokens after each row's first / the time from the last row's first
-token to the end (prefill excluded: every mode prefills the same prompts). Every row of every
+token to the end (prefill excluded: every mode prefills the same prompts); "with prefill" =
+all tokens / the whole time from the rows' arrival (all at once) to the end. Every row of every
 mode must equal `mlx_lm.stream_generate`'s tokens. Prints a table, writes JSON.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -43,7 +44,7 @@ def mlx_single(session, prompts, n):
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    rows, decode_s = [], 0.0
+    rows, decode_s, t0 = [], 0.0, time.perf_counter()
     for ids in prompts:
         tokens, t_first = [], None
         for r in stream_generate(session.target.model, session.target.tokenizer, mx.array(ids), max_tokens=n,
@@ -53,7 +54,7 @@ def mlx_single(session, prompts, n):
             tokens.append(r.token)
         decode_s += time.perf_counter() - t_first
         rows.append([t for t in tokens if t not in session.target.eos_token_ids])
-    return rows, decode_s
+    return rows, decode_s, None, time.perf_counter() - t0
 
 
 def mlx_batch(session, prompts, n):
@@ -62,6 +63,7 @@ def mlx_batch(session, prompts, n):
     target = session.target
     gen = BatchGenerator(target.model, stop_tokens=[[t] for t in sorted(target.eos_token_ids)],
                          completion_batch_size=len(prompts), prefill_batch_size=len(prompts))
+    t0 = time.perf_counter()
     uids = gen.insert(prompts, max_tokens=[n] * len(prompts))
     rows = {u: [] for u in uids}
     started = None
@@ -76,7 +78,8 @@ def mlx_batch(session, prompts, n):
             started = time.perf_counter()
         if all(rows[u] and rows[u][-1] is None for u in uids):
             break
-    return [[t for t in rows[u] if t is not None] for u in uids], time.perf_counter() - started
+    end = time.perf_counter()
+    return [[t for t in rows[u] if t is not None] for u in uids], end - started, None, end - t0
 
 
 def ours(session, prompts, n, width=None, policy=None):
@@ -85,6 +88,7 @@ def ours(session, prompts, n, width=None, policy=None):
     drafter = session.drafter if width != 1 else None
     batch = SpeculativeBatch(session.target, drafter, block_size=width if width and width > 1 else None,
                              policy=policy, prefill_step_size=4096)
+    t0 = time.perf_counter()
     ids = {batch.add(p, n): i for i, p in enumerate(prompts)}
     rows = {i: [] for i in ids.values()}
     started, widths = None, []
@@ -96,7 +100,8 @@ def ours(session, prompts, n, width=None, policy=None):
             widths.append(batch.last_width)
         for rid, ev in produced:
             rows[ids[rid]].extend(ev.tokens)
-    return [rows[i] for i in range(len(prompts))], time.perf_counter() - started, widths
+    end = time.perf_counter()
+    return [rows[i] for i in range(len(prompts))], end - started, widths, end - t0
 
 
 def main() -> None:
@@ -115,25 +120,26 @@ def main() -> None:
     costs = get_calibration(session.target, session.drafter, args.width).costs
     policy = BatchWidthPolicy(costs)  # one for the run: it learns across levels, as a server's would
     n = args.max_tokens
-    ours(session, prompts[:2], 8), mlx_batch(session, prompts[:2], 8), mlx_single(session, prompts[:1], 8)
+    ours(session, prompts[:2], 8), mlx_batch(session, prompts[:2], 8), mlx_single(session, prompts[:1], 8)  # warm-up
     results, at = [], 2
     for B in levels:
         batch_prompts, at = prompts[at : at + B], at + B
-        ref, ref_s = mlx_single(session, batch_prompts, n)
-        modes = {"mlx_lm.stream_generate x B": (ref, ref_s, None)}
-        rows, s = mlx_batch(session, batch_prompts, n)
-        modes["mlx-lm BatchGenerator"] = (rows, s, None)
+        modes = {"mlx_lm.stream_generate x B": mlx_single(session, batch_prompts, n)}
+        ref = modes["mlx_lm.stream_generate x B"][0]
+        modes["mlx-lm BatchGenerator"] = mlx_batch(session, batch_prompts, n)
         modes["ours plain"] = ours(session, batch_prompts, n, width=1)
         modes[f"ours DFlash 2 @{args.width}"] = ours(session, batch_prompts, n, width=args.width)
         modes["ours auto"] = ours(session, batch_prompts, n, width=args.width, policy=policy)
         level = {"batch": B, "modes": {}}
-        for name, (rows, seconds, widths) in modes.items():
+        for name, (rows, seconds, widths, total_s) in modes.items():
             decoded = sum(max(len(r) - 1, 0) for r in rows)
             same = [r == e[: len(r)] and len(r) >= min(len(e), n) for r, e in zip(rows, ref)]
             level["modes"][name] = {"decode_tps": decoded / seconds, "tokens": decoded, "seconds": seconds,
+                                    "total_tps": sum(map(len, rows)) / total_s, "total_s": total_s,
                                     "equal_to_mlx_lm": all(same),
                                     "mean_width": sum(widths) / len(widths) if widths else None}
-            print(f"B={B:2d} {name:28s} {decoded / seconds:7.1f} tok/s  equal={all(same)}"
+            print(f"B={B:2d} {name:28s} decode {decoded / seconds:7.1f} tok/s  with prefill "
+                  f"{sum(map(len, rows)) / total_s:6.1f} tok/s  equal={all(same)}"
                   + (f"  mean width {sum(widths) / len(widths):.2f}" if widths else ""), flush=True)
         results.append(level)
     report(results, args)
@@ -142,12 +148,13 @@ def main() -> None:
 def report(results, args) -> None:
     names = list(results[0]["modes"])
     ref = "mlx-lm BatchGenerator"
-    print(f"\naggregate decode tok/s (x mlx-lm BatchGenerator), {args.max_tokens} tokens per row")
-    print(f"{'B':>3} " + " ".join(f"{n:>28s}" for n in names))
-    for level in results:
-        base = level["modes"][ref]["decode_tps"]
-        cells = [f"{m['decode_tps']:7.1f} ({m['decode_tps'] / base:4.2f}x)" for m in level["modes"].values()]
-        print(f"{level['batch']:>3} " + " ".join(f"{c:>28s}" for c in cells))
+    for key, what in (("decode_tps", "decode"), ("total_tps", "with prefill")):
+        print(f"\naggregate {what} tok/s (x mlx-lm BatchGenerator), {args.max_tokens} tokens per row")
+        print(f"{'B':>3} " + " ".join(f"{n:>28s}" for n in names))
+        for level in results:
+            base = level["modes"][ref][key]
+            cells = [f"{m[key]:7.1f} ({m[key] / base:4.2f}x)" for m in level["modes"].values()]
+            print(f"{level['batch']:>3} " + " ".join(f"{c:>28s}" for c in cells))
     if args.json:
         Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "width": args.width,
                                                "levels": results}, indent=1))
