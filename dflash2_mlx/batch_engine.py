@@ -31,10 +31,11 @@ import mlx.core as mx
 
 from . import batch_cache
 from .engine import (CLEAR_CACHE_EVERY, DEFAULT_PREFILL_STEP, CycleStats, GenerationEvent, _choose, _commit,
-                     _logprob_list, _logprobs, _prefill, _Run, _Stopper, accepted, generation_stream,
+                     _logprob_list, _logprobs, _prefill, _Run, accepted, generation_stream,
                      peak_memory_gb, propose, verdict)
 from .errors import ConfigError
 from .sampling import SamplingParams, make_processors
+from .stopper import Stopper
 
 COMPACT_EVERY = 16  # cycles between packing away the slots rejected drafts left empty
 
@@ -45,7 +46,7 @@ class _Row:
     run: _Run
     ids: list[int]  # what the caches must cover before decoding: the prompt (and a reply continued)
     n_prompt: int
-    stopper: _Stopper
+    stopper: Stopper
     prompt_cache: object | None
     mark: object | None
     n_cached: int
@@ -120,7 +121,7 @@ class SpeculativeBatch:
                    target_cache=cache, context=context, taps=self.taps, history=list(ids),
                    processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs, overlap=False,
                    constraint=constraint)
-        stopper = _Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
+        stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
         if reply:  # a grammar, if any, has already advanced over the reply
             stopper.prime(list(reply), sent)
         row = _Row(next(self._ids), run, ids, n_prompt, stopper, prompt_cache, mark, n_cached, time.perf_counter())

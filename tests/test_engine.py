@@ -172,21 +172,21 @@ def _naive_stop(text, stops):
 
 @pytest.mark.parametrize("stops", [["lo w"], ["xyz", "o w", "ld"], ["d!", "zz"], ["w"], ["nope"]])
 def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch, stops):
-    from dflash2_mlx import engine
+    from dflash2_mlx import stopper as stopper_module
     from tiny import TinyTokenizer
 
     window = []
-    find = engine._find_stop
+    find = stopper_module.find_stop
 
     def spy(text, stop, start):
         window.append(len(text) - start)
         return find(text, stop, start)
 
-    monkeypatch.setattr(engine, "_find_stop", spy)
+    monkeypatch.setattr(stopper_module, "find_stop", spy)
     tok = TinyTokenizer.make()
     text = "hello world, hello world!"
     ids = tok.encode(text, add_special_tokens=False)  # one token per character: stops span tokens
-    stopper = engine._Stopper(tok, set(), stops, max_tokens=1000)
+    stopper = stopper_module.Stopper(tok, set(), stops, max_tokens=1000)
     kept, finish, pos = [], None, 0
     for size in [1, 3, 2, 5, 1, 4] * 5:  # chunks like the cycles of speculative decoding
         got, finish = stopper.feed(ids[pos : pos + size])

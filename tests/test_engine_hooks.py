@@ -42,13 +42,13 @@ def _byte_fallback_tokenizer():
 
 
 def test_a_cut_mid_character_emits_no_replacement_character():
-    from dflash2_mlx.engine import _Stopper
+    from dflash2_mlx.stopper import Stopper
 
     tok = _byte_fallback_tokenizer()
-    whole = _Stopper(tok, {1}, [], max_tokens=10)
+    whole = Stopper(tok, {1}, [], max_tokens=10)
     whole.feed([2, 4, 5, 3])
     assert whole.new_text(final=True) == "aéb"  # a complete 'é' decodes as itself
-    cut = _Stopper(tok, {1}, [], max_tokens=2)
+    cut = Stopper(tok, {1}, [], max_tokens=2)
     kept, finish = cut.feed([2, 4, 5, 3])
     assert (kept, finish) == ([2, 4], "length")
     assert cut.new_text(final=True) == "a"
