@@ -240,6 +240,7 @@ class AdaptiveBlockPolicy:
         self.acceptance = AcceptanceEstimate(costs.max_width - 1, prior, prior_weight, decay)
         self.hysteresis, self.probe_every, self.cost_ema = hysteresis, probe_every, cost_ema
         self.plain_overhead_s, self.spec_overhead_s = 0.0, 0.0
+        self.spec_seen = False  # whether a speculative cycle's time has been observed
         self.current: int | None = None
         self.plain_run = 0
         self.probe_gap = probe_every
@@ -284,6 +285,7 @@ class AdaptiveBlockPolicy:
             for drafted, accepted in rows or [(cycle.n_drafted, cycle.n_accepted)]:
                 self.acceptance.observe(drafted, accepted)
             self.spec_overhead_s = self._update_overhead(self.spec_overhead_s, cycle)
+            self.spec_seen = True
             if self.probing:
                 won = self.choice(cycle.width).speculate
                 self.probe_gap = self.probe_every if won else min(2 * self.probe_gap, MAX_PROBE_EVERY)
@@ -311,15 +313,13 @@ class AdaptiveBlockPolicy:
 def batch_costs(costs: Costs, batch: int) -> Costs:
     """Prior costs of a cycle over `batch` rows, from the single-row calibration: a batched
     verify of width w reads the weights once, like one forward of batch·w tokens (extrapolated
-    along the last calibrated slope past the widest width); drafts run once per row. The
+    along the mean calibrated slope past the widest width); drafts run once per row. The
     policy corrects these by the cycle times it measures at that batch size."""
     t = costs.target_s
+    slope = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else t[0]  # seconds per token past the widest
 
     def forward(n: int) -> float:
-        if n <= len(t):
-            return t[n - 1]
-        slope = max(t[-1] - t[-2], 0.0) if len(t) > 1 else t[0]
-        return t[-1] + slope * (n - len(t))
+        return t[n - 1] if n <= len(t) else t[-1] + slope * (n - len(t))
 
     return Costs(tuple(forward(batch * w) for w in range(1, len(t) + 1)),
                  tuple(batch * d for d in costs.draft_s))
@@ -359,7 +359,10 @@ class BatchWidthPolicy:
         return p
 
     def next_width(self, max_width: int, batch: int) -> int:
-        self.width, self.batch = self.policy(batch).next_width(max_width), batch
+        p = self.policy(batch)
+        if not p.spec_seen:  # a speculative cycle costs at least a plain one's host work
+            p.spec_overhead_s = max(p.spec_overhead_s, p.plain_overhead_s)
+        self.width, self.batch = p.next_width(max_width), batch
         return self.width
 
     def observe(self, batch: int, cycle, rows: list[tuple[int, int]]) -> None:

@@ -223,7 +223,7 @@ def test_bad_rows_fail_with_values():
 
 def test_batch_costs_and_the_width_policy_by_load():
     costs = Costs((0.05, 0.06, 0.07, 0.08), (0.0, 0.01, 0.01, 0.01))
-    four = batch_costs(costs, 4)
+    four = batch_costs(costs, 4)  # past width 4: the mean calibrated slope, 0.01 s per token
     assert four.target_s == pytest.approx((0.08, 0.08 + 4 * 0.01, 0.08 + 8 * 0.01, 0.08 + 12 * 0.01))
     assert four.draft_s == pytest.approx((0.0, 0.04, 0.04, 0.04))
     policy = BatchWidthPolicy(costs, probe_every=0)  # prior acceptance 0.6 per position
@@ -233,6 +233,8 @@ def test_batch_costs_and_the_width_policy_by_load():
     assert (policy.width, policy.batch) == (1, 4)
     policy.policy(4).plain_overhead_s = 0.02
     assert policy.policy(8).plain_overhead_s == pytest.approx(0.04)  # from the nearest size, per row
+    policy.next_width(4, 8)
+    assert policy.policy(8).spec_overhead_s == pytest.approx(0.04)  # unseen: at least a plain cycle's
     for _ in range(40):  # drafts that never land turn one row's speculation off too
         policy.observe(1, SimpleNamespace(width=4, n_drafted=3, n_accepted=0, draft_s=0.01, verify_s=0.07),
                        [(3, 0)])

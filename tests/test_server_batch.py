@@ -60,16 +60,19 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
         for job in jobs[1:] + [cancelled]:
             worker.submit(job)
         drains = [asyncio.ensure_future(_drain(job)) for job in jobs[1:]]
-        seen = 0
+        seen, during = 0, None
         async for _ in cancelled.events():
             seen += 1
             if seen == 3:
+                during = parse(metrics.render())  # the batch is running
                 worker.cancel(cancelled)
         results = [head + [e async for e in first]] + [await d for d in drains]
         worker.close()
-        return jobs, results, cancelled
+        return jobs, results, cancelled, during
 
-    jobs, results, cancelled = asyncio.run(main())
+    jobs, results, cancelled, during = asyncio.run(main())
+    assert during["dflash2_batch_size"] >= 1 and during["dflash2_batch_width"] == 4  # the session's fixed width
+    assert during['dflash2_batch_row_tokens_per_cycle{stat="max"}'] >= 1.0
     for job, events, n in zip(jobs, results, LENGTHS):
         tokens = [t for e in events for t in e.tokens]
         assert tokens == session.generate(job.prompt_ids, max_tokens=n).tokens
