@@ -7,7 +7,7 @@ never sent before in the run (both servers cache prompts), with the chat templat
 each; aggregate tok/s = all completion tokens / the round's wall time; latency = request sent →
 last token. A warm-up round runs first on each server. Prints a table, writes JSON and a PNG.
 
-    .venv/bin/python docs/results/batching/measure.py --json docs/results/batching/result.json \\
+    .venv/bin/python docs/results/batching/measure.py --json docs/results/batching/result-run2.json \\
         --png docs/results/batching/throughput.png
 
 Run on a quiet machine.
