@@ -139,14 +139,14 @@ def test_seeded_rows_draw_what_a_single_stream_draws(arch):
 
 @pytest.mark.slow
 def test_batched_rows_emit_the_target_distribution():
-    """1,200 seeded rows of 3 tokens, 24 to a batch: the first two and three tokens follow the
+    """960 seeded rows of 3 tokens, 48 to a batch: the first two and three tokens follow the
     target's exact joint (the single-stream engine's test, through the batch)."""
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target, "dflash2", block_size=3, top_k=8)
     counts = {}
-    for start in range(0, 1200, 24):
+    for start in range(0, 960, 48):
         batch = SpeculativeBatch(target, drafter)
-        jobs = [(E2E_PROMPT, 3, {"sampling": SamplingParams(seed=start + i, **E2E_PARAMS)}) for i in range(24)]
+        jobs = [(E2E_PROMPT, 3, {"sampling": SamplingParams(seed=start + i, **E2E_PARAMS)}) for i in range(48)]
         for tokens in _run(batch, jobs, join_every=1).values():
             key = tuple(tokens[:-1])
             counts[key] = counts.get(key, 0) + 1
@@ -239,3 +239,25 @@ def test_batch_costs_and_the_width_policy_by_load():
         policy.observe(1, SimpleNamespace(width=4, n_drafted=3, n_accepted=0, draft_s=0.01, verify_s=0.07),
                        [(3, 0)])
     assert policy.next_width(4, 1) == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grammar_rows_equal_their_constrained_single_stream_output(family):
+    pytest.importorskip("llguidance")
+    from dflash2_mlx.constraint import GrammarConstraint, json_schema_grammar
+
+    target = tiny_target(family, byte_level=True)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    grammar = json_schema_grammar({"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+                                   "required": ["a", "b"]})
+
+    def constraint():
+        return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, grammar)
+
+    jobs = [([1, 5, 6, 7], 40, {"constraint": constraint()}), (PROMPTS[0], 30, {}),
+            ([1, 9, 8], 40, {"constraint": constraint()})]
+    out = _run(SpeculativeBatch(target, drafter), jobs, join_every=1)
+    for i, (p, n, k) in enumerate(jobs):
+        alone = generate(target, p, n, drafter=drafter, **({"constraint": constraint()} if k else {}))
+        assert out[i][:-1] == alone.tokens, i
+    assert out[0][:-1] != generate(target, [1, 5, 6, 7], 40, drafter=drafter).tokens  # the grammar mattered

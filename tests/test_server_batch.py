@@ -165,3 +165,16 @@ def test_a_batched_row_starts_from_its_prefix_cache_entry_and_hands_it_back():
     # the batch handed the row's caches back: the entry now covers the turn and (all but the last of) its reply
     covered = turn.prompt_ids + tokens[:-1]
     assert any(c.tokens[: len(covered)] == covered for c in pool._entries.values())
+
+
+def test_a_target_the_batch_cannot_hold_serves_one_at_a_time(monkeypatch, caplog):
+    from dflash2_mlx import batch_cache
+    from dflash2_mlx.errors import UnsupportedCacheError
+
+    def refuse(target):
+        raise UnsupportedCacheError("layer 0: a ChunkedKVCache cannot join a speculative batch")
+
+    monkeypatch.setattr(batch_cache, "empty_batch", refuse)
+    worker = GenerationWorker(_session("llama", "dflash2"), capacity=4, max_batch=8)
+    assert worker.max_batch == 1
+    assert "batching is off (--max-batch 1): layer 0: a ChunkedKVCache" in caplog.text

@@ -222,9 +222,24 @@ class GenerationWorker:
         self._solo_job = self._solo_cache = None  # the solo run's job and prompt cache
         self._solo_yielded = False
         self._batch_policy = None  # the batch's width policy (`--block-size auto`), made with the first batch
+        if max_batch > 1 and not self._target_batches():
+            self.max_batch = 1
         self._accepting = True
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="dflash2-generation", daemon=True)
+
+    def _target_batches(self) -> bool:
+        """Whether the batch can hold this target's caches; if not, say so once and serve
+        one request at a time."""
+        from ..batch_cache import empty_batch
+        from ..errors import UnsupportedCacheError
+
+        try:
+            empty_batch(self.session.target)
+        except UnsupportedCacheError as e:
+            log.warning("batching is off (--max-batch 1): %s", e)
+            return False
+        return True
 
     # -- admission ----------------------------------------------------------------------
 
