@@ -155,9 +155,12 @@ def test_batched_rows_emit_the_target_distribution():
 
 
 def test_penalties_logprobs_and_stops_per_row():
+    from dflash2_mlx import stream_generate
+
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", block_size=4)
-    kinds = [dict(sampling=SamplingParams(repetition_penalty=1.3)), dict(top_logprobs=2), dict(stop=["\x07"]), {}]
+    stop = generate(target, PROMPTS[2], 16, drafter=drafter).text[6:8]  # a stop string the reply meets
+    kinds = [dict(sampling=SamplingParams(repetition_penalty=1.3)), dict(top_logprobs=2), dict(stop=[stop]), {}]
     batch = SpeculativeBatch(target, drafter)
     events = {}
     ids = {batch.add(p, 16, **k): i for i, (p, k) in enumerate(zip(PROMPTS, kinds))}
@@ -165,12 +168,17 @@ def test_penalties_logprobs_and_stops_per_row():
         for rid, e in batch.step():
             events.setdefault(ids[rid], []).append(e)
     for i, k in enumerate(kinds):
-        alone = generate(target, PROMPTS[i], 16, drafter=drafter, **k)
-        assert [t for e in events[i] for t in e.tokens] == alone.tokens
-        assert "".join(e.text for e in events[i]) == alone.text
-    logprobs = [lp for e in events[1] for lp in e.logprobs]
-    assert len(logprobs) == len(alone.tokens) or len(logprobs) == sum(len(e.tokens) for e in events[1])
-    assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in logprobs)
+        alone = list(stream_generate(target, PROMPTS[i], 16, drafter=drafter, **k))
+        assert [t for e in events[i] for t in e.tokens] == [t for e in alone for t in e.tokens]
+        assert "".join(e.text for e in events[i]) == "".join(e.text for e in alone)
+        if "top_logprobs" in k:  # every token's log-probability and alternatives, as the single stream's
+            ours = [lp for e in events[i] for lp in e.logprobs]
+            theirs = [lp for e in alone for lp in e.logprobs]
+            assert [lp.token for lp in ours] == [lp.token for lp in theirs] and len(ours) == 16
+            assert [lp.logprob for lp in ours] == pytest.approx([lp.logprob for lp in theirs], abs=1e-4)
+            assert [[t for t, _ in lp.top] for lp in ours] == [[t for t, _ in lp.top] for lp in theirs]
+    assert events[2][-1].finish_reason == "stop" and events[2][-1].stop_sequence == stop
+    assert len([t for e in events[2] for t in e.tokens]) < 16
 
 
 @pytest.mark.parametrize("family", FAMILIES)
