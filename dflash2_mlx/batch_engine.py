@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import random
 import time
 from dataclasses import dataclass
 
@@ -32,9 +31,9 @@ import mlx.core as mx
 from . import batch_cache
 from .engine import (CLEAR_CACHE_EVERY, DEFAULT_PREFILL_STEP, CycleStats, GenerationEvent, _choose, _commit,
                      _logprob_list, _logprobs, _prefill, _Run, accepted, generation_stream,
-                     peak_memory_gb, propose, verdict)
+                     peak_memory_gb, propose, start_run, verdict)
 from .errors import ConfigError
-from .sampling import SamplingParams, make_processors
+from .sampling import SamplingParams
 from .stopper import Stopper
 
 COMPACT_EVERY = 16  # cycles between packing away the slots rejected drafts left empty
@@ -106,21 +105,9 @@ class SpeculativeBatch:
         if not prompt_ids or max_tokens <= len(reply):
             raise ConfigError(f"a row needs a prompt and max_tokens above its {len(reply)} reply tokens, "
                               f"got {n_prompt} prompt tokens, max_tokens {max_tokens}")
-        n_cached, mark = 0, None
-        if prompt_cache is not None:
-            prompt_cache.check(self.target, self.drafter, self.width, None)
-            n_cached = prompt_cache.reuse(ids).n_cached
-            prompt_cache.prompt_len = n_prompt  # it served this prompt (the reply is the reply)
-            cache, context = prompt_cache.target_cache, prompt_cache.context
-            mark = prompt_cache.take_mark if prompt_cache.needs_mark and not reply else None
-        else:
-            cache = self.target.make_cache(reserve=self.width)
-            context = self.drafter.begin() if self.drafter is not None else None
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        run = _Run(target=self.target, drafter=self.drafter, params=params, key=mx.random.key(seed),
-                   target_cache=cache, context=context, taps=self.taps, history=list(ids),
-                   processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs, overlap=False,
-                   constraint=constraint)
+        run, n_cached, mark = start_run(self.target, self.drafter, ids, max_tokens, self.width, params, prompt_cache,
+                                        top_logprobs=top_logprobs, constraint=constraint, prompt_len=n_prompt)
+        mark = None if reply else mark  # the snapshot belongs before the prompt's end, not the reply's
         stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
         if reply:  # a grammar, if any, has already advanced over the reply
             stopper.prime(list(reply), sent)

@@ -375,6 +375,35 @@ def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:
     return mx.where(idx == n_acc, nxt.astype(drafts.dtype), padded)
 
 
+def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, params: SamplingParams,
+              prompt_cache=None, *, kv_bits: int | None = None, top_logprobs: int | None = None,
+              overlap: bool = False, constraint=None, prompt_len: int | None = None):
+    """A checked `_Run` for `ids` and what the caches already cover: (run, n_cached, mark).
+
+    With `prompt_cache`, the caches are its own, brought to the longest prefix of `ids` they
+    reach exactly, and `mark` is its `take_mark` when a snapshot before the prompt's last
+    token pays (else None); `prompt_len` is the prompt's length when `ids` goes on past it
+    (a reply continued). Without, fresh caches that roll back `width` tokens."""
+    _check_args(target, drafter, ids, max_tokens, width)
+    seed = params.seed if params.seed is not None else random.getrandbits(63)
+    n_cached, mark = 0, None
+    if prompt_cache is not None:
+        prompt_cache.check(target, drafter, width, kv_bits)
+        n_cached = prompt_cache.reuse(ids, prompt_len).n_cached
+        target_cache, context = prompt_cache.target_cache, prompt_cache.context
+        mark = prompt_cache.take_mark if prompt_cache.needs_mark else None
+    else:
+        target_cache = target.make_cache(reserve=max(width, 1), kv_bits=kv_bits)
+        context = drafter.begin() if drafter is not None else None
+    run = _Run(
+        target=target, drafter=drafter, params=params, key=mx.random.key(seed), target_cache=target_cache,
+        context=context, taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
+        history=list(ids), processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs,
+        overlap=overlap, constraint=constraint,
+    )
+    return run, n_cached, mark
+
+
 def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, drafter=None,
                     sampling: SamplingParams | None = None, prompt_cache=None, block_size: int | None = None,
                     stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
@@ -421,23 +450,9 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
     params = sampling or SamplingParams()
     ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
-    _check_args(target, drafter, ids, max_tokens, width)
-    seed = params.seed if params.seed is not None else random.getrandbits(63)
-    n_cached, mark = 0, None
-    if prompt_cache is not None:
-        prompt_cache.check(target, drafter, width, kv_bits)
-        n_cached = prompt_cache.reuse(ids).n_cached
-        target_cache, context = prompt_cache.target_cache, prompt_cache.context
-        mark = prompt_cache.take_mark if prompt_cache.needs_mark else None
-    else:
-        target_cache = target.make_cache(reserve=max(width, 1), kv_bits=kv_bits)
-        context = drafter.begin() if drafter is not None else None
-    run = _Run(
-        target=target, drafter=drafter, params=params, key=mx.random.key(seed), target_cache=target_cache,
-        context=context, taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
-        history=list(ids), processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs,
-        overlap=overlap if overlap is not None else mx.default_device() == mx.gpu, constraint=constraint,
-    )
+    overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
+    run, n_cached, mark = start_run(target, drafter, ids, max_tokens, width, params, prompt_cache, kv_bits=kv_bits,
+                                    top_logprobs=top_logprobs, overlap=overlap, constraint=constraint)
     events = _generate(run, ids, n_cached, mark, max_tokens, width, stop, prefill_step_size, block_policy,
                        on_prefill, pipelined)
     if prompt_cache is None:

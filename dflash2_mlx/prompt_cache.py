@@ -100,23 +100,25 @@ class PromptCache:
 
     # -- reuse ------------------------------------------------------------------------------
 
-    def reuse(self, ids: list[int]) -> Reuse:
+    def reuse(self, ids: list[int], prompt_len: int | None = None) -> Reuse:
         """Bring the caches to the longest prefix of `ids` they reach exactly (at least one
-        token is left to feed, for its logits); the result says how many tokens that is."""
+        token is left to feed, for its logits); the result says how many tokens that is.
+        `prompt_len`: the prompt's length when `ids` goes on past it (a reply continued)."""
+        prompt_len = len(ids) if prompt_len is None else prompt_len
         n_common = common_prefix(self.tokens, ids)
         m = min(n_common, len(ids) - 1)
         if not self.tokens:
-            return self._done(Reuse(0, 0, "empty"), len(ids))
+            return self._done(Reuse(0, 0, "empty"), prompt_len)
         if m > 0 and self._can_trim(len(self.tokens) - m):
             self._trim(len(self.tokens) - m)
-            return self._done(Reuse(m, n_common, "trim"), len(ids))
+            return self._done(Reuse(m, n_common, "trim"), prompt_len)
         if m > 0 and self._mark is not None and self._mark.n <= m:
             self._restore_mark()
-            return self._done(Reuse(self._mark.n, n_common, "mark"), len(ids))
+            return self._done(Reuse(self._mark.n, n_common, "mark"), prompt_len)
         reason = None if m <= 0 else (f"the cache cannot drop {len(self.tokens) - m} tokens exactly "
                                       f"({self._blocker()}) and holds no snapshot at or before token {m}")
         self.reset()
-        return self._done(Reuse(0, n_common, "cold", reason), len(ids))
+        return self._done(Reuse(0, n_common, "cold", reason), prompt_len)
 
     def _done(self, reuse: Reuse, prompt_len: int) -> Reuse:
         if self._mark is not None and self._mark.n > reuse.n_cached:

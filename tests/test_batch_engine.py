@@ -269,3 +269,13 @@ def test_grammar_rows_equal_their_constrained_single_stream_output(family):
         alone = generate(target, p, n, drafter=drafter, **({"constraint": constraint()} if k else {}))
         assert out[i][:-1] == alone.tokens, i
     assert out[0][:-1] != generate(target, [1, 5, 6, 7], 40, drafter=drafter).tokens  # the grammar mattered
+
+
+def test_one_argmax_for_the_batch_equals_each_rows_own_pick():
+    """The fast path of plain batched steps (one argmax over the batch) against its slow twin."""
+    target = tiny_target("qwen3_5")
+    jobs = [(p, n, {}) for p, n in zip(PROMPTS, LENGTHS)]
+    fast = _run(SpeculativeBatch(target, None, fast_greedy=True), jobs)
+    slow = _run(SpeculativeBatch(target, None, fast_greedy=False), jobs)
+    assert fast == slow
+    assert [fast[i][:-1] for i in range(len(jobs))] == [generate(target, p, n).tokens for p, n, _ in jobs]

@@ -178,3 +178,31 @@ def test_a_target_the_batch_cannot_hold_serves_one_at_a_time(monkeypatch, caplog
     worker = GenerationWorker(_session("llama", "dflash2"), capacity=4, max_batch=8)
     assert worker.max_batch == 1
     assert "batching is off (--max-batch 1): layer 0: a ChunkedKVCache" in caplog.text
+
+
+def test_a_bad_batched_request_fails_alone_with_a_400():
+    from dflash2_mlx.server.worker import JobFailed
+
+    session = _session("llama", "dflash2")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(session, capacity=8, max_batch=4)
+        worker.start()
+        solo = Job(PROMPTS[0], SamplingParams(), 30, [], loop)
+        worker.submit(solo)
+        stream = solo.events()
+        await stream.__anext__()  # running solo: the next ones join the batch
+        bad, good = Job([1, 10_000], SamplingParams(), 8, [], loop), Job(PROMPTS[1], SamplingParams(), 12, [], loop)
+        worker.submit(bad)
+        worker.submit(good)
+        with pytest.raises(JobFailed) as failed:
+            await _drain(bad)
+        events = await _drain(good)
+        _ = [e async for e in stream]
+        worker.close()
+        return failed.value.failure, events
+
+    failure, events = asyncio.run(main())
+    assert failure.status == 400 and "outside the vocab" in failure.message
+    assert [t for e in events for t in e.tokens] == session.generate(PROMPTS[1], max_tokens=12).tokens

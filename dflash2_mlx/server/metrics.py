@@ -107,7 +107,7 @@ class Metrics:
 
     def solo_cycle(self, width: int, tau: float) -> None:
         """The single-stream reply's last cycle: its width (1 a plain step; 0 when it ended or
-        moved into the batch, where every row decodes at width 1) and its τ so far."""
+        moved into the batch) and its τ so far."""
         with self._lock:
             self.solo_width, self.solo_tau = width, tau
 

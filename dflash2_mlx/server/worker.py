@@ -386,7 +386,13 @@ class GenerationWorker:
         """A joining job checks out its best prefix-cache entry, as a solo one does; the batch
         hands the caches back when the row ends."""
         cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
-        batch.add(job, cache)
+        try:
+            batch.add(job, cache)
+        except DFlashError as e:  # a bad request fails alone, as it would solo
+            if self.prompt_caches is not None:
+                self.prompt_caches.checkin(cache)  # checked before it was touched
+            job.post(Failed(400, str(e)))
+            self._end(job)
 
     def _new_batch(self):
         from .batch import BatchRun, batch_policy
