@@ -9,7 +9,7 @@ slots accumulate (a row that kept fewer tokens than its neighbours leaves holes)
 `compact` packs them away, and for a sliding-window layer also the slots no query can see.
 
 Recurrent layers keep their batched `RecurrentCache` (per-row state); `commit_rows` replays
-each row's kept prefix (`recurrent.replay_rows`).
+each row's kept prefix (`recurrent.replay_layers` with per-row counts).
 
 Rows enter from single-row engine caches (`add_rows`, after a row's prompt is prefilled
 alone) and leave by index (`keep_rows`); `row_cache` gives a row back as single-row engine

@@ -78,11 +78,23 @@ class MixerReplay(_Wrapper):
             cache.tape.replay = (x, mask)
         return self.inner(*args, **kwargs)
 
-    def replay(self, cache: RecurrentCache, n: int) -> None:
+    def replay(self, cache: RecurrentCache, n: int, row_n: mx.array | None = None) -> None:
+        """Re-run the first `n` inputs from the checkpoint; with `row_n` [B], each row alone
+        on its first `row_n[b]` (the module's own mask semantics are unknown)."""
         x, mask = cache.tape.replay
-        cache.restore()
-        out = self.inner(x[:, :n], _slice_mask(mask, n, x.shape[1]), cache)
-        del out
+        if row_n is None:
+            cache.restore()
+            out = self.inner(x[:, :n], _slice_mask(mask, n, x.shape[1]), cache)
+            del out
+            return
+        states = []
+        for b, n_b in enumerate(row_n.tolist()):
+            row = RecurrentCache(len(cache.cache))
+            row.cache = [None if a is None else a[b : b + 1] for a in cache.checkpoint]
+            row_mask = mask[b : b + 1] if mask is not None and not isinstance(mask, str) and mask.ndim == 2 else mask
+            self.inner(x[b : b + 1, :n_b], _slice_mask(row_mask, n_b, x.shape[1]), row)
+            states.append(row.cache)
+        cache.cache = [mx.concatenate([st[j] for st in states]) for j in range(len(cache.cache))]
 
 
 class _Tap(_Wrapper):
@@ -251,39 +263,17 @@ def replay_stacked(pairs: list, n: int, row_n: mx.array | None = None) -> None:
         cache.cache = [_conv_state(conv_in[i], n, first.conv_kernel_size - 1, row_n), state[i]]
 
 
-def replay_layers(pairs: list, n: int, stacked: bool = True) -> None:
+def replay_layers(pairs: list, n: int, stacked: bool = True, n_keep: list[int] | None = None) -> None:
     """Rebuild every armed recurrent layer's state after `n` kept steps of the last pass.
 
     With `stacked`, GatedDeltaNet layers of equal shapes replay as one stack
-    (`replay_stacked`); the others, and every layer without it, replay on their own.
+    (`replay_stacked`); the others, and every layer without it, replay on their own. For a
+    batch whose row b keeps `n_keep[b]` steps (`n` their maximum), GatedDeltaNet layers mask
+    out the later steps of shorter rows; the generic replay runs row by row (the slow twin).
     """
+    row_n = None if n_keep is None or min(n_keep) == n else mx.array(n_keep, mx.int32)
     groups: dict = {}
     for replayer, cache in pairs:
-        key = _stack_key(replayer, cache) if stacked else None
-        if key is None:
-            replayer.replay(cache, n)
-        else:
-            groups.setdefault(key, []).append((replayer, cache))
-    for group in groups.values():
-        if len(group) == 1:
-            group[0][0].replay(group[0][1], n)
-        else:
-            replay_stacked(group, n)
-
-
-def replay_rows(pairs: list, n_keep: list[int], stacked: bool = True) -> None:
-    """`replay_layers` for a batch whose row b keeps `n_keep[b]` steps: GatedDeltaNet layers
-    replay the longest count with the later steps of shorter rows masked out; any other
-    mixer replays row by row (the slow twin)."""
-    n = max(n_keep)
-    if min(n_keep) == n:
-        return replay_layers(pairs, n, stacked)
-    row_n = mx.array(n_keep, mx.int32)
-    groups: dict = {}
-    for replayer, cache in pairs:
-        if not isinstance(replayer, GatedDeltaReplay):
-            _replay_each_row(replayer, cache, n_keep)
-            continue
         key = _stack_key(replayer, cache) if stacked else None
         if key is None:
             replayer.replay(cache, n, row_n)
@@ -294,19 +284,6 @@ def replay_rows(pairs: list, n_keep: list[int], stacked: bool = True) -> None:
             group[0][0].replay(group[0][1], n, row_n)
         else:
             replay_stacked(group, n, row_n)
-
-
-def _replay_each_row(replayer, cache: RecurrentCache, n_keep: list[int]) -> None:
-    """Generic replay of each row alone, from its row of the checkpoint."""
-    x, mask = cache.tape.replay
-    states = []
-    for b, n in enumerate(n_keep):
-        row = RecurrentCache(len(cache.cache))
-        row.cache = [None if a is None else a[b : b + 1] for a in cache.checkpoint]
-        row_mask = mask[b : b + 1] if mask is not None and not isinstance(mask, str) and mask.ndim == 2 else mask
-        replayer.inner(x[b : b + 1, :n], _slice_mask(row_mask, n, x.shape[1]), row)
-        states.append(row.cache)
-    cache.cache = [mx.concatenate([s[j] for s in states]) for j in range(len(cache.cache))]
 
 
 def install_replay(layer: nn.Module, fast: bool = True):

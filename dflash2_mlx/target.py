@@ -22,7 +22,7 @@ import mlx.nn as nn
 
 from .caches import RecurrentCache, adapt_cache
 from .errors import ConfigError, DFlashError
-from .recurrent import _Wrapper, install_replay, replay_layers, replay_rows
+from .recurrent import _Wrapper, install_replay, replay_layers
 
 log = logging.getLogger(__name__)
 
@@ -359,14 +359,13 @@ class Target:
         for _, c in recurrent:
             c.disarm()
 
-
     def commit_rows(self, cache: list, n_fed: int, n_keep: list[int]) -> None:
         """`commit` for batched caches (`batch_cache.py`): row b keeps `n_keep[b]` tokens."""
         if not all(0 < n <= n_fed for n in n_keep):
             raise ValueError(f"every n_keep must be in [1, {n_fed}], got {n_keep}")
         recurrent = [(i, c) for i, c in enumerate(cache) if isinstance(c, RecurrentCache)]
         if min(n_keep) < n_fed:
-            replay_rows([(self._replayers[i], c) for i, c in recurrent], n_keep, self.stacked_replay)
+            replay_layers([(self._replayers[i], c) for i, c in recurrent], max(n_keep), self.stacked_replay, n_keep)
         for c in cache:
             if isinstance(c, RecurrentCache):
                 c.disarm()

@@ -90,11 +90,15 @@ def test_rows_joining_and_leaving_equal_their_single_stream_output(family, arch)
     assert not batch.rows and batch_cache.batch_size(batch.cache) == 0
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+REPLAYS = {"per-layer": dict(stacked_replay=False), "generic": dict(fast_recurrent_replay=False)}
+
+
+@pytest.mark.parametrize("family", FAMILIES + ["qwen3_5-per-layer", "qwen3_5-generic"])
 def test_rows_keeping_different_prefixes_of_one_verify_pass(family, monkeypatch):
     monkeypatch.setattr(batch_cache, "COMPACT_MIN_SLOTS", 8)  # pack holes often
     monkeypatch.setattr(batch_engine, "COMPACT_EVERY", 2)
-    target = tiny_target(family)
+    family, _, replay = family.partition("-")  # the recurrent replay's stacked path, its per-layer and generic twins
+    target = tiny_target(family, **REPLAYS.get(replay, {}))
     plain = [generate(target, p, n).tokens for p, n in zip(PROMPTS, LENGTHS)]
     drafter = ScriptedRows(target, [p + t + [3] * 20 for p, t in zip(PROMPTS, plain)], 5)
     accepted = []

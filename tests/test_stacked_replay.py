@@ -36,9 +36,9 @@ def stack_calls(monkeypatch):
 
     sizes = []
 
-    def spy(pairs, n):
+    def spy(pairs, n, row_n=None):
         sizes.append(len(pairs))
-        return replay_stacked(pairs, n)
+        return replay_stacked(pairs, n, row_n)
 
     monkeypatch.setattr(recurrent, "replay_stacked", spy)
     return sizes
