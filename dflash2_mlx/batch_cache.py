@@ -240,18 +240,22 @@ def add_rows(cache: list, rows: list[list]) -> None:
         else:
             if any(part is None for r in layer for part in r.cache):
                 raise ValueError(f"layer {i}: a row joins the batch after its prompt was prefilled")
-            c.cache = [mx.concatenate(([c.cache[j]] if c.cache[j] is not None else []) + [r.cache[j] for r in layer])
-                       for j in range(len(c.cache))]
+            for r in layer:  # mlx-lm's ArraysCache.extend, once the batch holds a row
+                if c.cache[0] is None:
+                    c.cache = list(r.cache)
+                else:
+                    c.extend(r)
 
 
 def keep_rows(cache: list, rows: list[int]) -> None:
     """Keep only the rows at `rows` (in that order)."""
-    idx = mx.array(rows, mx.int32)
     for c in cache:
         if isinstance(c, RaggedKVCache):
             c.keep_rows(rows)
+        elif rows:
+            c.filter(mx.array(rows, mx.int32))  # mlx-lm's ArraysCache.filter
         else:
-            c.cache = [a[idx] if rows and a is not None else None for a in c.cache]
+            c.cache = [None] * len(c.cache)
 
 
 def row_cache(cache: list, row: int, reserve: int) -> list:

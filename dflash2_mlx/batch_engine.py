@@ -257,7 +257,6 @@ class SpeculativeBatch:
             run.fed += 1
         return emitted, [0] * len(runs), [_logprob_list(i, e) for i, e in zip(infos, emitted)], t1
 
-
     def _event(self, row: _Row, tokens: list[int], cycle, finish, logprobs) -> GenerationEvent:
         now = time.perf_counter()
         row.first_at = row.first_at or now

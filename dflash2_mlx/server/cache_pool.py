@@ -54,27 +54,6 @@ class PromptCachePool:
                 best, best_n = key, n
         return best, best_n
 
-    def borrow(self, ids: list[int]) -> PromptCache | None:
-        """A copy of the entry sharing the longest prefix with `ids`, the entry left in place
-        (for a batched row, whose caches the batch keeps); None when none shares a token."""
-        if not self.enabled:
-            return None
-        with self._lock:
-            best, _ = self._best(ids)
-            if best is None:
-                return None
-            self._entries.move_to_end(best)
-            return self._entries[best].clone()
-
-    def record(self, n_cached: int) -> None:
-        """Count a borrowed copy's reuse (what `checkin` counts for the caches it gets back)."""
-        with self._lock:
-            if n_cached > 0:
-                self.stats.hits += 1
-                self.stats.cached_tokens += n_cached
-            else:
-                self.stats.misses += 1
-
     def checkout(self, ids: list[int]) -> PromptCache | None:
         """The entry sharing the longest prefix with `ids`, taken out of the pool or copied
         (see the module docstring); a fresh cache when none shares a token; None when off."""

@@ -4,8 +4,9 @@ Requests become `Job`s (token ids + sampling + limits). `GenerationWorker.submit
 job only while fewer than `capacity` jobs are waiting or running, else raises `QueueFull`
 (the app answers 429 with Retry-After). The thread takes jobs in arrival order: one runs
 *solo* on the single-stream engine (speculative decoding, the prefix cache); jobs that arrive
-while others run join the *batch* (`batch.py`, at most `max_batch` rows) when they can, and
-the thread alternates one solo cycle with one batch step. Each engine event is posted to its
+while others run join the speculative *batch* (`batch.py`, at most `max_batch` rows) when they
+can (not seeded); once a batch exists the solo reply moves into it, and a solo reply that
+cannot (seeded) alternates one cycle with one batch step. Each engine event is posted to its
 job's asyncio queue on the event loop. A cancelled job stops at the next cycle or step: the
 worker checks the flag after every event, so at most one cycle runs after `cancel`; during a
 solo prefill the flag is checked before each `prefill_chunk` of the prompt. A job cut by shutdown ends with a 503 failure, so
