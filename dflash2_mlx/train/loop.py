@@ -90,6 +90,15 @@ class FeatureDataset:
         """Positions a block may start at, in the sequences in use."""
         return int(sum(self.anchor_ok[self.starts[i] : self.ends[i]].sum() for i in self.seq_ids))
 
+    def prompt_keys(self) -> set[bytes]:
+        """Each sequence's token ids before its first trainable position (its prompt), as bytes:
+        an evaluation set sharing one with the training data is not held out."""
+        keys = set()
+        for i in self.seq_ids:
+            start, end = self.starts[i], self.ends[i]
+            keys.add(self.tokens[start : start + int(np.argmax(self.anchor_ok[start:end]))].tobytes())
+        return keys
+
     def batch(self, rng: np.random.Generator, n_seqs: int, n_anchors: int, block_size: int) -> Batch:
         seqs = self.seq_ids[rng.integers(0, len(self.seq_ids), size=n_seqs)]
         lengths = self.ends[seqs] - self.starts[seqs]
