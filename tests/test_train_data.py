@@ -10,7 +10,6 @@ from dflash2_mlx import prompts as suites
 from dflash2_mlx.train.corpus import (EvalFilter, conversation_ids, filter_documents, heldout_prompts, python_sources,
                                       training_prompts)
 from dflash2_mlx.train.data import FeatureShard, teacher_forced_features
-from dflash2_mlx.train.init import new_config, new_drafter
 from dflash2_mlx.train.loop import FeatureDataset
 from dflash2_mlx.train.loss import Batch, LossWeights, TrainVocab, drafter_loss, position_weights, selector_terms
 from dflash2_mlx.train.model import FrozenParts, training_hidden
@@ -148,9 +147,9 @@ def test_an_eval_set_sharing_a_prompt_with_the_training_data_is_caught(shards, t
 def test_fit_refuses_an_eval_set_that_is_not_held_out(target, tmp_path):
     teacher_forced_features(target, DOCS, (0, 2, 3), tmp_path / "data" / "feat", max_len=40, shard_size=2)
     target_dir, _ = save_tiny_pair(tmp_path, "qwen3")
-    result = CliRunner().invoke(app, [str(a) for a in ("train", "fit", target_dir, "--data", tmp_path / "data",
-                                                        "--eval-data", tmp_path / "data", "--steps", 1, "--mask-token-id", MASK_ID,
-                                                        "--out", tmp_path / "run")])
+    args = ("train", "fit", target_dir, "--data", tmp_path / "data", "--eval-data", tmp_path / "data",
+            "--steps", 1, "--mask-token-id", MASK_ID, "--out", tmp_path / "run")
+    result = CliRunner().invoke(app, [str(a) for a in args])
     assert result.exit_code == 2, result.output
     assert "3 of the 3 evaluation sequences have a prompt that is also in the training data" in result.stderr
     assert not (tmp_path / "run").exists()

@@ -60,8 +60,8 @@ def prepare_data(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     temperature: Annotated[float, typer.Option("--temp", min=0.0, help="Response sampling temperature.")] = 0.0,
     heldout: Annotated[bool, typer.Option("--heldout", help="Prompts from the end of the shuffled conversation "
-                                                           "list, which training prompts and teacher-data "
-                                                           "never reach: an evaluation set for fit --eval-data.")] = False,
+                                                           "list, which training prompts and teacher-data never "
+                                                           "reach: an evaluation set for fit --eval-data.")] = False,
 ) -> None:
     from ..train.corpus import heldout_prompts, training_prompts
     from ..train.data import extract_features, generate_responses
