@@ -126,12 +126,14 @@ def test_training_prompts_drop_eval_questions_and_never_meet_the_heldout_ones():
     convs = [[{"role": "user", "content": f"Tell me fact {i} about tea, please."}] for i in range(20)]
     convs[2] = [{"role": "user", "content": "Solve this: " + question}]
     convs[-2] = [{"role": "user", "content": question}]
-    train = training_prompts(9, eval_filter=flt, convs=convs)
-    held = heldout_prompts(9, eval_filter=flt, convs=convs)
-    assert len(train) == len(held) == 9
+    convs[-4] = convs[1]  # the same prompt near both ends: never held out
+    train = training_prompts(7, eval_filter=flt, convs=convs)
+    held = heldout_prompts(7, eval_filter=flt, convs=convs)
+    assert len(train) == len(held) == 7
     assert not any(question in p for p in train + held)
     assert not set(train) & set(held)
-    assert train[:2] == [convs[0][0]["content"], convs[1][0]["content"]] and held[0] == convs[-1][0]["content"]
+    assert train[:2] == [convs[0][0]["content"], convs[1][0]["content"]] and held[:2] == [convs[-1][0]["content"],
+                                                                                           convs[-3][0]["content"]]
 
 
 def test_an_eval_set_sharing_a_prompt_with_the_training_data_is_caught(shards, target, tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import re
 import sys
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -211,16 +212,20 @@ def heldout_prompts(n: int, seed: int = 0, max_chars: int = 1500, eval_filter: E
                     convs: list[list[dict]] | None = None) -> list[str]:
     """First user turns of the *last* `n` usable ShareGPT conversations of the shuffled order
     (training prompts and teacher-forced data take them from the front), for an evaluation set
-    of the target's own answers."""
+    of the target's own answers. A prompt that opens more than one conversation ("hi") is never
+    held out: its twin may be near the front."""
     convs = sharegpt_conversations(seed) if convs is None else convs
-    return _first_user_turns(reversed(convs), n, eval_filter or EvalFilter.from_suites(), max_chars)
+    count = Counter(conv[0]["content"] for conv in convs)
+    repeated = {text for text, k in count.items() if k > 1}
+    return _first_user_turns(reversed(convs), n, eval_filter or EvalFilter.from_suites(), max_chars, repeated)
 
 
-def _first_user_turns(convs: Iterable[list[dict]], n: int, eval_filter: EvalFilter, max_chars: int) -> list[str]:
+def _first_user_turns(convs: Iterable[list[dict]], n: int, eval_filter: EvalFilter, max_chars: int,
+                      skip: set[str] = frozenset()) -> list[str]:
     out = []
     for conv in convs:
         text = conv[0]["content"]
-        if len(text) <= max_chars and not eval_filter.contaminated(text):
+        if len(text) <= max_chars and text not in skip and not eval_filter.contaminated(text):
             out.append(text)
             if len(out) == n:
                 break
