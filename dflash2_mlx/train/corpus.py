@@ -15,7 +15,7 @@ import random
 import re
 import sys
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from .. import prompts as suites
@@ -221,7 +221,7 @@ def heldout_prompts(n: int, seed: int = 0, max_chars: int = 1500, eval_filter: E
 
 
 def _first_user_turns(convs: Iterable[list[dict]], n: int, eval_filter: EvalFilter, max_chars: int,
-                      skip: set[str] = frozenset()) -> list[str]:
+                      skip: Collection[str] = frozenset()) -> list[str]:
     out = []
     for conv in convs:
         text = conv[0]["content"]
