@@ -146,7 +146,7 @@ class Target:
 
     def _wrap_layers(self, fast_replay: bool) -> None:
         layers = self.inner.layers
-        kinds = self._base_cache()
+        kinds = self.base_cache()
         if layers and isinstance(layers[0], HiddenTap):
             return self._share_wrapping(kinds, fast_replay)
         for i, layer in enumerate(layers):
@@ -166,7 +166,8 @@ class Target:
         for i in recurrent:
             _, self._replayers[i] = install_replay(layers[i].inner, fast=fast_replay)
 
-    def _base_cache(self) -> list:
+    def base_cache(self) -> list:
+        """mlx-lm's own fresh caches for this model (no rollback adapters)."""
         if hasattr(self.model, "make_cache"):
             return self.model.make_cache()
         from mlx_lm.models.cache import KVCache
@@ -175,10 +176,10 @@ class Target:
 
     def _probe(self) -> TargetInfo:
         tokens = mx.array([[t % self.vocab_size for t in _PROBE_IDS]])
-        reference = self.model(tokens, cache=self._base_cache())
+        reference = self.model(tokens, cache=self.base_cache())
         self._sink.want_input = True
         try:
-            hidden = self.inner(tokens, cache=self._base_cache())
+            hidden = self.inner(tokens, cache=self.base_cache())
         finally:
             self._sink.want_input = False
         ours = self._transform(self._head(hidden))
@@ -268,7 +269,7 @@ class Target:
 
         `kv_bits` (4 or 8) stores full-attention keys/values quantized (mlx-lm's QuantizedKVCache).
         """
-        base = self._base_cache()
+        base = self.base_cache()
         if kv_bits is not None:
             from mlx_lm.models.cache import KVCache, QuantizedKVCache
 

@@ -190,16 +190,18 @@ def test_load_drafter_uses_the_shipped_file(pair, tmp_path):
 def test_build_draft_vocab_from_prepared_responses(tmp_path):
     from dflash2_mlx.train.draft_vocab import build_draft_vocab, coverage_of
 
-    (tmp_path / "gen").mkdir()
-    rows = [{"prompt_ids": [1, 2], "response_ids": [7, 7, 7, 9, 9, 3], "finish": "stop"},
-            {"prompt_ids": [1], "response_ids": [9, 11], "finish": "length"}]
-    (tmp_path / "gen" / "gen-00000.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    from dflash2_mlx.train import onpolicy
+
+    onpolicy.write_jsonl_gz(tmp_path / onpolicy.PROMPTS_FILE, [{"i": 0, "ids": [1, 2]}, {"i": 1, "ids": [1]}])
+    rows = [{"i": 0, "response": [7, 7, 7, 9, 9, 3], "next": 2, "finish": "stop"},
+            {"i": 1, "response": [9, 11], "next": 5, "finish": "length"}]
+    onpolicy.write_jsonl_gz(onpolicy.token_path(tmp_path, 0), rows)
     path = build_draft_vocab(None, VOCAB, tmp_path, n_conversations=0, data_dir=tmp_path, keep=8, default_size=4,
                              always=[2], target_name="tiny")
     raw = json.loads(path.read_text())
     assert raw["ranked_ids"][:5] == [2, 7, 9, 3, 11] and raw["default_size"] == 4
     assert raw["source"]["target_response_tokens"] == 8 and raw["source"]["tokenizer"] == "tiny"
-    assert coverage_of(raw["ranked_ids"][:3], [r["response_ids"] for r in rows]) == 6 / 8
+    assert coverage_of(raw["ranked_ids"][:3], [r["response"] for r in rows]) == 6 / 8
 
 
 def test_doctor_shows_the_compact_head(pair, tmp_path):

@@ -8,10 +8,13 @@ import pytest
 from mlx.utils import tree_flatten
 
 from dflash2_mlx import load_drafter
-from dflash2_mlx.train.data import FeatureShard, extract_features, generate_responses, iter_json_array
+from dflash2_mlx.train import onpolicy
+from dflash2_mlx.train.data import iter_json_array
+from dflash2_mlx.train.shards import FeatureShard
 from dflash2_mlx.train.export import export_drafter
 from dflash2_mlx.train.init import default_target_layer_ids, new_config, new_drafter, upgrade_to_v2
-from dflash2_mlx.train.loop import FeatureDataset, TrainConfig, Trainer
+from dflash2_mlx.train.dataset import FeatureDataset
+from dflash2_mlx.train.loop import TrainConfig, Trainer
 from dflash2_mlx.train.loss import Batch, position_weights, selector_terms
 from dflash2_mlx.train.model import FrozenParts, training_hidden, training_mask
 from tiny import MASK_ID, tiny_drafter, tiny_target
@@ -28,18 +31,22 @@ def target():
 @pytest.fixture(scope="module")
 def features(target, tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
-    gens = generate_responses(target, PROMPTS, root / "gen", max_new_tokens=24, batch_size=4, shard_size=5)
-    return extract_features(target, gens, (0, 2, 3), root / "feat")
+    prompts = [{"i": i, "source": "test", "ids": target.tokenizer.encode(p)} for i, p in enumerate(PROMPTS)]
+    onpolicy.start_run(root, {"taps": [0, 2, 3]}, prompts)
+    onpolicy.generate_run(target, root, prompts, (0, 2, 3), segment_size=5, batch_size=4, max_new_tokens=25,
+                          part_size=5, progress=False)
+    return sorted((root / "feat").glob("*.safetensors"))
 
 
 def test_generated_data_is_the_targets_own_greedy_continuation(target, features):
     from dflash2_mlx import generate
 
-    rows = [json.loads(line) for line in (features[0].parent.parent / "gen" / "gen-00000.jsonl").read_text().splitlines()]
-    assert len(rows) == 5
-    for row in rows[:2]:
-        ours = generate(target, row["prompt_ids"], max_tokens=24).tokens
-        assert row["response_ids"] == ours
+    root = features[0].parent.parent
+    answers = list(onpolicy.iter_answers(root))
+    assert len(answers) == len(PROMPTS)
+    for prompt, row in answers[:2]:
+        ours = generate(target, prompt["ids"], max_tokens=25).tokens
+        assert row["response"] + [row["next"]] == ours
     shard = FeatureShard.load(features[0])
     assert shard.hidden.dtype == np.float16 and shard.hidden.shape[1] == 3 * 64
     first = shard.tokens[shard.offsets[0] : shard.offsets[1]]
@@ -97,7 +104,7 @@ def test_selector_targets_use_the_true_predecessor(target):
     batch = Batch(hidden=None, valid_ctx=None, anchors=None, anchor_tokens=mx.array([[9]]),
                   labels=mx.array([[[7, 40]]]), label_mask=mx.ones((1, 1, 2)))
     h = mx.random.normal((1, 1, 2, 64), key=mx.random.key(0))
-    ce, _, in_set, _ = selector_terms(sel, h, logits, batch)
+    ce, _, in_set, _, _ = selector_terms(sel, h, logits, batch)
     assert np.array(in_set).tolist() == [[[True, False]]]  # 40 is not a candidate: excluded
     # Recompute position 0's CE by hand: predecessor = the anchor (9), target = index of 7.
     cands = np.array(mx.argpartition(logits, kth=-4, axis=-1)[..., -4:])[0, 0, 0]
@@ -112,7 +119,7 @@ def _trainer(target, features, out, arch="dflash2", steps=6, **kw):
     cfg = new_config(target, arch, n_layers=1, block_size=4, target_layer_ids=[0, 2, 3], mask_token_id=MASK_ID,
                      selector_rank=8, selector_top_k=8)
     train_cfg = TrainConfig(steps=steps, seqs_per_batch=3, anchors_per_seq=4, lr=3e-3, eval_every=3,
-                            eval_batches=1, save_every=3, seed=5, **kw)
+                            eval_blocks=(4,), save_every=3, seed=5, **kw)
     data = FeatureDataset(features)
     return Trainer(new_drafter(cfg, seed=1), FrozenParts.from_target(target), data, train_cfg, out, eval_data=data)
 

@@ -9,8 +9,9 @@ import pytest
 from dflash2_mlx import prompts as suites
 from dflash2_mlx.train.corpus import (EvalFilter, conversation_ids, filter_documents, heldout_prompts, python_sources,
                                       training_prompts)
-from dflash2_mlx.train.data import FeatureShard, teacher_forced_features
-from dflash2_mlx.train.loop import FeatureDataset
+from dflash2_mlx.train.data import teacher_forced_features
+from dflash2_mlx.train.shards import FeatureShard
+from dflash2_mlx.train.dataset import AnchorSampler, FeatureDataset
 from dflash2_mlx.train.loss import Batch, LossWeights, TrainVocab, drafter_loss, position_weights, selector_terms
 from dflash2_mlx.train.model import FrozenParts, training_hidden
 from mlx.utils import tree_flatten
@@ -76,23 +77,26 @@ def test_teacher_forced_shards_resume_by_skipping_done_ones(target, shards):
 
 def test_blocks_take_argmax_labels_inside_assistant_turns(target, shards):
     data = FeatureDataset(shards, chain_labels=False)  # chained labels: the next test
-    batch = data.batch(np.random.default_rng(0), n_seqs=6, n_anchors=5, block_size=4)
+    rows = AnchorSampler(data, 6, 5, seed=0).rows(0)
+    batch = data.batch(rows, block_size=4, n_anchors=5)
     anchors, labels, mask = np.array(batch.anchors), np.array(batch.labels), np.array(batch.label_mask)
     assert mask.sum() > 0
     checked = 0
-    seqs = data.seq_ids[np.random.default_rng(0).integers(0, len(data.seq_ids), size=6)]  # batch()'s first draw
-    for i, seq in enumerate(seqs):
-        n, s0 = int(batch.valid_ctx[i]), data.starts[seq]
-        assert n == data.ends[seq] - s0
-        for a, t in enumerate(anchors[i]):
-            assert data.anchor_ok[s0 + t]
+    for i, (seq, picked) in enumerate(rows):
+        n = int(batch.valid_ctx[i])
+        ok_all, seq_labels = data._slice(seq, "anchor_ok"), data._slice(seq, "labels")
+        assert n == data.ends[seq] - data.starts[seq]
+        assert anchors[i, : len(picked)].tolist() == picked.tolist()
+        for a, t in enumerate(picked):
+            assert ok_all[t]
             for k in range(3):
                 pos = t + k
-                ok = pos < n and data.anchor_ok[s0 + pos]
+                ok = pos < n and ok_all[pos]
                 assert bool(mask[i, a, k]) == ok
                 if ok:
-                    assert labels[i, a, k] == data.labels[s0 + pos]
+                    assert labels[i, a, k] == seq_labels[pos]
                     checked += 1
+        assert not mask[i, len(picked) :].any()  # unused anchor slots count nothing
     assert checked > 10
 
 
@@ -221,7 +225,7 @@ def test_selector_tv_is_one_minus_the_true_candidates_probability(target):
     labels = mx.array([[[int(cands[0, 2]), int(cands[1, 0])]]])
     batch = Batch(None, None, None, mx.array([[9]]), labels, mx.ones((1, 1, 2)))
     h = mx.random.normal((1, 1, 2, 64), key=mx.random.key(0))
-    ce, tv, in_set, _ = selector_terms(drafter.candidate_selector, h, logits, batch)
+    ce, tv, in_set, _, _ = selector_terms(drafter.candidate_selector, h, logits, batch)
     assert np.array(in_set).all()
     np.testing.assert_allclose(np.array(tv), 1 - np.exp(-np.array(ce)), rtol=1e-5)
 
@@ -255,7 +259,7 @@ def test_chain_labels_stop_at_the_first_text_token_off_the_targets_path(tmp_path
     mx.save_safetensors(str(tmp_path / "tf-00000.safetensors"), arrays)
     for chain in (True, False):
         data = FeatureDataset([tmp_path / "tf-00000.safetensors"], chain_labels=chain)
-        batch = data.batch(np.random.default_rng(0), n_seqs=1, n_anchors=40, block_size=5)
+        batch = data.batch([(0, np.arange(10))], block_size=5, n_anchors=10)
         for t, lab, m in zip(np.array(batch.anchors)[0], np.array(batch.labels)[0], np.array(batch.label_mask)[0]):
             for c in range(4):
                 pos = t + c

@@ -43,38 +43,92 @@ def _ids(text: str | None) -> list[int] | None:
         raise typer.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
-@train_app.command("prepare-data", help="Prompts (ShareGPT, eval suites filtered out) -> the target's own "
-                                        "responses -> tapped hidden states, in resumable shards under OUT.")
+@train_app.command("prepare-data", help="On-policy data: the target answers prompts (ShareGPT first and later "
+                                        "turns, stdlib code tasks, templated maths; eval suites filtered out) in one "
+                                        "continuous batch, and its tapped states and top-k log-probs are captured as "
+                                        "it generates. Resumable segments under OUT: tokens/ (small, commit it) and "
+                                        "feat/ shards. Rerun the same command to resume; --rebuild-features remakes "
+                                        "missing feat/ shards from tokens/.")
 @user_errors
 def prepare_data(
     model: ModelArg = None,
-    out: Annotated[Path, typer.Option("--out", help="Output directory (gen/ and feat/ shards).")] = Path("data"),
-    n_prompts: Annotated[int, typer.Option("--n-prompts", min=1, help="How many prompts to answer.")] = 2688,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1)] = 192,
-    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=1)] = 256,
-    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Sequences generated at once.")] = 64,
-    shard_size: Annotated[int, typer.Option("--shard-size", min=1)] = 128,
-    taps: Annotated[Optional[str], typer.Option("--taps", help="Target layer ids to store, e.g. 1,8,14,20,27 "
-                                                                "(default: 5 spread over the depth).")] = None,
+    out: Annotated[Path, typer.Option("--out", help="Run directory (prompts, tokens/, feat/, progress).")] = Path("data"),
+    n_prompts: Annotated[int, typer.Option("--n-prompts", min=1, help="How many prompts to answer.")] = 2048,
+    mix: Annotated[str, typer.Option("--mix", help="Prompt sources and shares: sharegpt (first turns), turns "
+                                                  "(later turns with history), code, math.")] =
+        "sharegpt=0.45,turns=0.15,code=0.2,math=0.2",
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=2, help="Tokens the target may pick "
+                                                                                 "per prompt.")] = 160,
+    max_prompt_tokens: Annotated[int, typer.Option("--max-prompt-tokens", min=8, help="Longer prompts lose their "
+                                                   "oldest turns, or are cut.")] = 256,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="Rows decoding at once.")] = 64,
+    segment_size: Annotated[int, typer.Option("--segment-size", min=1, help="Prompts per segment (the unit of "
+                                                                            "resume; one drain each).")] = 1024,
+    shard_size: Annotated[int, typer.Option("--shard-size", min=1, help="Sequences per feature shard.")] = 256,
+    taps: Annotated[Optional[str], typer.Option("--taps", help="Target layer ids to store, e.g. 1,8,14,20,27,29 "
+                                                                "(default: --n-taps spread over the depth).")] = None,
     n_taps: Annotated[int, typer.Option("--n-taps", min=1)] = 5,
+    top_k: Annotated[int, typer.Option("--top-k", min=1, help="Soft labels stored per position.")] = 32,
     seed: Annotated[int, typer.Option("--seed")] = 0,
-    temperature: Annotated[float, typer.Option("--temp", min=0.0, help="Response sampling temperature.")] = 0.0,
-    heldout: Annotated[bool, typer.Option("--heldout", help="Prompts from the end of the shuffled conversation "
-                                                           "list, which training prompts and teacher-data never "
-                                                           "reach: an evaluation set for fit --eval-data.")] = False,
+    heldout: Annotated[bool, typer.Option("--heldout", help="ShareGPT prompts from the end of the shuffled "
+                                                           "conversation list (training takes them from the front) "
+                                                           "and synthetic ones from another seed stream: an "
+                                                           "evaluation set for fit --eval-data.")] = False,
+    rebuild_features: Annotated[bool, typer.Option("--rebuild-features", help="Only remake missing feat/ shards "
+                                                   "of done segments from tokens/ (one target pass each).")] = False,
+    json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
-    from ..train.corpus import heldout_prompts, training_prompts
-    from ..train.data import extract_features, generate_responses
+    from ..train import onpolicy
     from ..train.init import default_target_layer_ids
+    from ..train.prompt_mix import parse_shares
 
+    try:
+        shares = parse_shares(mix)
+    except ValueError as e:
+        raise typer.BadParameter(f"--mix: {e}") from None
     target = _target(model)
     layer_ids = _ids(taps) or default_target_layer_ids(target.n_layers, n_taps)
-    prompts = (heldout_prompts if heldout else training_prompts)(n_prompts, seed=seed)
-    gens = generate_responses(target, prompts, out / "gen", max_new_tokens=max_new_tokens,
-                              max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
-                              shard_size=shard_size, temperature=temperature)
-    feats = extract_features(target, gens, tuple(layer_ids), out / "feat")
-    typer.echo(f"{len(prompts)} prompts -> {len(feats)} feature shards in {out / 'feat'} (taps {layer_ids})")
+    if max(layer_ids) >= target.n_layers or min(layer_ids) < 0:
+        raise typer.BadParameter(f"--taps {layer_ids}: the target has layers 0..{target.n_layers - 1}")
+    settings = {"target": str(model or "default"), "taps": layer_ids, "n_prompts": n_prompts, "mix": shares,
+                "seed": seed, "heldout": heldout, "max_new_tokens": max_new_tokens,
+                "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size, "segment_size": segment_size,
+                "shard_size": shard_size, "top_k": top_k}
+    fresh = not (out / onpolicy.RUN_FILE).exists()
+    prompts = onpolicy.start_run(out, settings, _mixed_prompts(target, settings) if fresh else None)
+    if rebuild_features:
+        paths = onpolicy.rebuild_features(target, out, tuple(layer_ids), top_k=top_k, part_size=shard_size)
+        summary = {"rebuilt_shards": [str(p) for p in paths]}
+    else:
+        summary = onpolicy.generate_run(target, out, prompts, tuple(layer_ids), segment_size=segment_size,
+                                        batch_size=batch_size, max_new_tokens=max_new_tokens, top_k=top_k,
+                                        part_size=shard_size)
+        s = summary["seconds"]
+        summary |= {"response_tok_s": round(summary["response_tokens"] / s, 1) if s else None}
+    summary |= {"out": str(out), "prompts": len(prompts), "segments_done": len(onpolicy.done_segments(out)),
+                "taps": layer_ids}
+    if json_out:
+        typer.echo(json.dumps(summary))
+    elif rebuild_features:
+        typer.echo(f"rebuilt {len(summary['rebuilt_shards'])} feature shards in {out / 'feat'}")
+    else:
+        rate = f", {summary['response_tok_s']} response tok/s" if summary["response_tok_s"] else ""
+        typer.echo(f"{summary['prompts']} prompts answered this call: {summary['response_tokens']} response tokens "
+                   f"in {summary['seconds']:.0f} s{rate}; {summary['segments_done']} segments done in {out} "
+                   f"(taps {layer_ids})")
+
+
+def _mixed_prompts(target, settings: dict) -> list[dict]:
+    """The run's prompts as token ids (chat template), each with its source."""
+    from ..train.prompt_mix import prompt_ids, prompt_mix
+
+    items = prompt_mix(settings["n_prompts"], settings["mix"], seed=settings["seed"], heldout=settings["heldout"])
+    out = []
+    for item in items:
+        ids = prompt_ids(target.tokenizer, item.messages, settings["max_prompt_tokens"])
+        if ids is not None:
+            out.append({"i": len(out), "source": item.source, "ids": ids})
+    return out
 
 
 @train_app.command("teacher-data", help="Teacher-forced data: run the target once over offline text (every ShareGPT "
@@ -169,12 +223,35 @@ def fit(
     train_vocab_size: Annotated[Optional[int], typer.Option("--train-vocab-size", min=1,
                                                             help="Ids of --train-vocab used (default: its "
                                                                  "default size).")] = None,
+    kl_weight: Annotated[float, typer.Option("--kl-weight", min=0.0, help="Soft-label KL weight (the target's "
+                                             "stored top-k log-probs, with a tail bucket).")] = 0.0,
+    ce_weight_end: Annotated[Optional[float], typer.Option("--ce-weight-end", min=0.0, help="Ramp the CE weight "
+                                                           "to this over --ramp-frac of the steps.")] = None,
+    selector_weight_end: Annotated[Optional[float], typer.Option("--selector-weight-end", min=0.0)] = None,
+    selector_tv_weight_end: Annotated[Optional[float], typer.Option("--selector-tv-weight-end", min=0.0)] = None,
+    kl_weight_end: Annotated[Optional[float], typer.Option("--kl-weight-end", min=0.0)] = None,
+    ramp_frac: Annotated[float, typer.Option("--ramp-frac", min=0.0, max=1.0, help="Share of the steps over "
+                                                                                 "which loss weights ramp.")] = 0.5,
+    dpace: Annotated[bool, typer.Option("--dpace", help="Position weights from each block's own chance of "
+                                                        "reaching a position (D-PACE) instead of exp decay.")] = False,
+    inject_gold: Annotated[bool, typer.Option("--inject-gold", help="DFlash 2: a true token outside the top-k "
+                                                                    "replaces the weakest candidate in the "
+                                                                    "selector loss.")] = False,
+    schedule: Annotated[str, typer.Option("--schedule", help="wsd (warm-up, stable, linear decay; extendable "
+                                                             "by resuming with more --steps) or cosine.")] = "wsd",
+    decay_frac: Annotated[float, typer.Option("--decay-frac", min=0.0, max=1.0, help="WSD: share of the steps "
+                                                                                   "spent decaying.")] = 0.2,
+    fit_taps: Annotated[Optional[str], typer.Option("--taps", help="Train on these stored taps only (a subset "
+                                                                   "of DATA/feat/taps.json), e.g. 1,8,14,20,27.")] = None,
+    eval_blocks: Annotated[str, typer.Option("--eval-blocks", help="Block sizes of the exact simulated "
+                                                                   "acceptance evaluation.")] = "4,8",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoint.")] = True,
 ) -> None:
     from ..drafter.load import load_drafter
     from ..train.init import new_config, new_drafter, upgrade_to_v2
-    from ..train.loop import FeatureDataset, TrainConfig, Trainer
+    from ..train.dataset import FeatureDataset, tap_columns
+    from ..train.loop import TrainConfig, Trainer
     from ..train.model import FrozenParts
 
     target = _target(model)
@@ -184,7 +261,10 @@ def fit(
     if len(shards) <= holdout_shards:
         raise typer.BadParameter(f"{data / 'feat'} has {len(shards)} shards matching {shards_glob!r}; need more "
                                  f"than --holdout-shards {holdout_shards}")
-    taps = json.loads((data / "feat" / "taps.json").read_text())["target_layer_ids"]
+    stored_taps = json.loads((data / "feat" / "taps.json").read_text())["target_layer_ids"]
+    taps = _ids(fit_taps) or stored_taps
+    if schedule not in ("wsd", "cosine"):
+        raise typer.BadParameter(f"--schedule must be wsd or cosine, got {schedule!r}")
     if warm_start is not None and init_from is not None:
         raise typer.BadParameter("pass --warm-start or --init-from, not both")
     if warm_start is not None:
@@ -207,15 +287,26 @@ def fit(
     vocab, vocab_doc = _train_vocab(train_vocab, train_vocab_size, target.info.vocab_size)
     cfg = TrainConfig(steps=steps, seqs_per_batch=seqs, anchors_per_seq=anchors, lr=lr, eval_every=eval_every,
                       save_every=save_every, seed=seed, freeze_backbone=freeze_backbone, ce_weight=ce_weight,
-                      selector_weight=selector_weight, selector_tv_weight=selector_tv_weight,
-                      train_vocab=vocab.size if vocab else 0)
+                      selector_weight=selector_weight, selector_tv_weight=selector_tv_weight, kl_weight=kl_weight,
+                      ce_weight_end=ce_weight_end, selector_weight_end=selector_weight_end,
+                      selector_tv_weight_end=selector_tv_weight_end, kl_weight_end=kl_weight_end,
+                      ramp_frac=ramp_frac, dpace=dpace, inject_gold=inject_gold, schedule=schedule,
+                      decay_frac=decay_frac, eval_blocks=tuple(_ids(eval_blocks) or (4, 8)),
+                      block_size=drafter.config.block_size, train_vocab=vocab.size if vocab else 0)
     train_shards, eval_shards = shards[: len(shards) - holdout_shards], shards[len(shards) - holdout_shards :]
     if eval_data is not None:
         eval_shards = sorted((eval_data / "feat").glob("*.safetensors"))
         if not eval_shards:
             raise typer.BadParameter(f"--eval-data {eval_data} has no shards in {eval_data / 'feat'}")
-    train_set = FeatureDataset(train_shards, max_seqs=max_seqs or None)
-    eval_set = FeatureDataset(eval_shards) if eval_shards else None
+    try:
+        columns = tap_columns(stored_taps, taps, len(stored_taps) * target.hidden_size)
+    except ValueError as e:
+        raise typer.BadParameter(f"--taps: {e}") from None
+    eval_taps = stored_taps if eval_data is None else json.loads((eval_data / "feat" / "taps.json").read_text())[
+        "target_layer_ids"]
+    train_set = FeatureDataset(train_shards, max_seqs=max_seqs or None, columns=columns)
+    eval_set = (FeatureDataset(eval_shards, columns=tap_columns(eval_taps, taps, len(eval_taps) * target.hidden_size))
+                if eval_shards else None)
     shared = len(train_set.prompt_keys() & eval_set.prompt_keys()) if eval_set else 0
     if shared:
         raise typer.BadParameter(f"{shared} of the {len(eval_set)} evaluation sequences have a prompt that is also "
@@ -236,17 +327,18 @@ def fit(
     typer.echo(f"wrote {out} after {state.step} steps", err=True)
 
 
-@train_app.command("eval", help="Teacher-forced held-out metrics of a drafter on prepared data: top-1 / selector "
-                                "pick accuracy and Recall@k by block position, and the τ they imply.")
+@train_app.command("eval", help="Exact simulated acceptance of a drafter on prepared held-out data: for every "
+                                "anchor of every sequence, the acceptance length greedy decoding would see there; "
+                                "τ of the decoding walk, the mean over all anchors, and per-position rates.")
 @user_errors
 def eval_cmd(
     model: ModelArg = None,
     drafter: Annotated[Optional[Path], typer.Option("--drafter", "-d", help="Drafter directory (default: the "
                                                                             "model's shipped one).")] = None,
     data: Annotated[Path, typer.Option("--data", help="Data directory (every shard of DATA/feat).")] = Path("data"),
-    seqs: Annotated[int, typer.Option("--seqs", min=1)] = 4,
-    anchors: Annotated[int, typer.Option("--anchors", min=1)] = 64,
-    batches: Annotated[int, typer.Option("--batches", min=1, help="Deterministic batches averaged.")] = 4,
+    blocks: Annotated[str, typer.Option("--blocks", help="Block sizes to simulate.")] = "4,8",
+    seqs: Annotated[int, typer.Option("--seqs", min=1, help="Sequences per forward pass.")] = 4,
+    anchors: Annotated[int, typer.Option("--anchors", min=1, help="Anchors per sequence per pass.")] = 64,
     train_vocab: Annotated[Optional[Path], typer.Option("--train-vocab", help="Score over this proposal "
                                                         "vocab's top ids (default: the drafter's own file).")] = None,
     train_vocab_size: Annotated[Optional[int], typer.Option("--train-vocab-size", min=1)] = None,
@@ -255,8 +347,8 @@ def eval_cmd(
     from .. import hub
     from ..drafter.load import load_drafter
     from ..drafter.vocab import find_vocab_file
-    from ..train.loop import FeatureDataset, TrainConfig, Trainer
-    from ..train.loss import estimated_tau
+    from ..train.dataset import FeatureDataset, tap_columns
+    from ..train.evaluate import simulate
     from ..train.model import FrozenParts
 
     spec = hub.resolve(model, str(drafter) if drafter else None, progress=True)
@@ -265,26 +357,26 @@ def eval_cmd(
     shards = sorted((data / "feat").glob("*.safetensors"))
     if not shards:
         raise typer.BadParameter(f"--data {data} has no shards in {data / 'feat'}")
+    stored = json.loads((data / "feat" / "taps.json").read_text())["target_layer_ids"]
+    try:
+        columns = tap_columns(stored, list(d.config.target_layer_ids), len(stored) * target.hidden_size)
+    except ValueError as e:
+        raise typer.BadParameter(f"the drafter's taps do not fit --data: {e}") from None
     vocab_file = train_vocab or find_vocab_file(spec.drafter)
     vocab, _ = _train_vocab(vocab_file, train_vocab_size, target.info.vocab_size)
-    cfg = TrainConfig(steps=0, seqs_per_batch=seqs, anchors_per_seq=anchors, eval_batches=batches)
-    data_set = FeatureDataset(shards)
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        m = Trainer(d, FrozenParts.from_target(target), data_set, cfg, Path(tmp), eval_data=data_set,
-                    vocab=vocab).evaluate()
-    acc = m.get("eval_pick", m["eval_top1"])
-    result = {"drafter": str(spec.drafter), "data": str(data), "vocab": vocab.size if vocab else 0,
-              "tau_est": round(estimated_tau(acc), 4), **{k[5:]: v for k, v in m.items()}}
+    d.target = FrozenParts.from_target(target)
+    result = simulate(d, FeatureDataset(shards, columns=columns), tuple(_ids(blocks) or (4, 8)), vocab,
+                      None if vocab is None else vocab.head(d.target), anchors, seqs)
+    result = {"drafter": str(spec.drafter), "data": str(data), "vocab": vocab.size if vocab else 0, **result}
     if json_out:
         typer.echo(json.dumps(result))
         return
-    typer.echo(f"{spec.drafter}: estimated τ {result['tau_est']:.3f} (block {d.config.block_size}, "
-               f"vocab {result['vocab'] or 'full'})")
-    for key in ("top1", "recall", "pick"):
-        if key in result:
-            typer.echo(f"  {key:7s} " + " ".join(f"{v:.2f}" for v in result[key]))
+    typer.echo(f"{spec.drafter} on {data} (vocab {result['vocab'] or 'full'}):")
+    for key, r in result.items():
+        if key.startswith("b") and isinstance(r, dict):
+            typer.echo(f"  block {key[1:]}: τ {r['tau']:.3f} over {r['cycles']} cycles · mean over {r['anchors']} "
+                       f"anchors {r['tau_all']:.3f} · accept by position "
+                       + " ".join(f"{a:.2f}" for a in r["accept_by_position"]))
 
 
 def _train_vocab(path: Path | None, size: int | None, vocab_size: int):

@@ -8,7 +8,6 @@ conversations measures how much of unseen text each size covers.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,10 +31,10 @@ def sharegpt_responses(n: int, seed: int = 0, min_chars: int = 12) -> list[str]:
 
 def prepared_responses(data_dir: Path) -> Iterator[list[int]]:
     """The target's own response ids from a `dflash2 train prepare-data` directory."""
-    for shard in sorted((Path(data_dir) / "gen").glob("gen-*.jsonl")):
-        for line in shard.read_text().splitlines():
-            if line.strip():
-                yield json.loads(line)["response_ids"]
+    from .onpolicy import iter_answers
+
+    for _, row in iter_answers(Path(data_dir)):
+        yield row["response"]
 
 
 def _token_ids(tokenizer, texts: list[str]) -> list[list[int]]:

@@ -1,15 +1,17 @@
-"""The training loop: AdamW with warm-up + cosine, clipping, checkpoints, exact resume.
+"""The training loop: AdamW with a warm-up / stable / decay (or cosine) schedule, clipping,
+checkpoints, exact resume, and the exact simulated-acceptance evaluation.
 
-Determinism: the batch of step s depends only on (seed, s) — `np.random.default_rng([seed, s])`
-— and initialisation only on the seed, so a run resumed from a checkpoint (weights, optimizer
-state, step) continues exactly like an uninterrupted one. Checkpoints are written to a
-temporary directory and renamed into place; the drafter inside is in the published layout.
+Determinism: the rows of step s depend only on (seed, s) (`AnchorSampler`) and initialisation
+only on the seed, so a run resumed from a checkpoint (weights, optimizer state, step) continues
+exactly like an uninterrupted one. With the WSD schedule the learning rate before the decay does
+not depend on `steps`, so a run can be extended by resuming it with more steps. Checkpoints are
+written to a temporary directory and renamed into place; the drafter inside is in the published
+layout.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -22,7 +24,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter.load import read_checkpoint, save_drafter, build_drafter
 from ..drafter.config import parse_config
-from .data import FeatureShard
+from .dataset import AnchorSampler, FeatureDataset
+from .evaluate import simulate
 from .loss import Batch, LossWeights, TrainVocab, drafter_loss, estimated_tau, position_weights
 from ..paths import atomic_path
 
@@ -33,107 +36,57 @@ class TrainConfig:
     seqs_per_batch: int = 8
     anchors_per_seq: int = 16
     lr: float = 6e-4
+    schedule: str = "wsd"  # "wsd" (warm-up, stable, linear decay over decay_frac) or "cosine"
     warmup_frac: float = 0.04
+    decay_frac: float = 0.2
     min_lr_frac: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float | None = None
+    dpace: bool = False  # position weights from each block's own chance of reaching a position
     selector_weight: float = 1.0
     selector_tv_weight: float = 0.0
     ce_weight: float = 1.0
+    kl_weight: float = 0.0
+    # Loss weights move linearly from the values above to these (None: unchanged) over ramp_frac.
+    ce_weight_end: float | None = None
+    selector_weight_end: float | None = None
+    selector_tv_weight_end: float | None = None
+    kl_weight_end: float | None = None
+    ramp_frac: float = 0.5
+    inject_gold: bool = False
+    block_size: int | None = None  # train at this block size (default: the drafter's)
     train_vocab: int = 0  # train over the N most frequent ids of the drafter's proposal vocab; 0: all
     seed: int = 0
     eval_every: int = 100
-    eval_batches: int = 4
+    eval_blocks: tuple[int, ...] = (4, 8)
     save_every: int = 100
     freeze_backbone: bool = False
 
+    def loss_weights(self, step: int) -> LossWeights:
+        """The loss weights at `step` (the ramp from the start values to the end values)."""
+        f = min(1.0, step / max(1.0, self.ramp_frac * self.steps))
 
-class FeatureDataset:
-    """All feature shards in memory (numpy), sampled into `Batch`es.
+        def at(start: float, end: float | None) -> float:
+            return start if end is None else start + (end - start) * f
 
-    A block anchored at t (a trainable position) has labels `labels[t + k - 1]` for k = 1..B-1
-    (the target's next token after t + k - 1), counted where that position is still trainable.
-
-    `chain_labels`: label k also needs the text after t to follow the target's own argmax up
-    to t + k - 1, so every label is the target's greedy continuation of the prefix (what the
-    drafter must predict); past the first disagreement of teacher-forced text, the argmax is
-    conditioned on tokens the target would not have written. A no-op on regenerated data.
-    """
-
-    def __init__(self, paths: list[Path], max_seqs: int | None = None, chain_labels: bool = True):
-        self.chain_labels = chain_labels
-        shards = [FeatureShard.load(p) for p in paths]
-        shards = [s for s in shards if len(s)]
-        if not shards:
-            raise ValueError(f"no training sequences in {[str(p) for p in paths]}")
-        base = np.cumsum([0] + [len(s.tokens) for s in shards[:-1]])
-        self.tokens = np.concatenate([s.tokens for s in shards])
-        self.labels = np.concatenate([s.labels for s in shards])
-        self.anchor_ok = np.concatenate([s.anchor_ok for s in shards]).astype(bool)
-        self.hidden = np.concatenate([s.hidden for s in shards])
-        self.starts = np.concatenate([s.offsets[:-1] + b for s, b in zip(shards, base)])
-        self.ends = np.concatenate([s.offsets[1:] + b for s, b in zip(shards, base)])
-        usable = np.array([self.anchor_ok[s:e].any() for s, e in zip(self.starts, self.ends)], dtype=bool)
-        self.seq_ids = np.nonzero(usable)[0][:max_seqs]
-
-    def __len__(self) -> int:
-        return len(self.seq_ids)
-
-    @property
-    def n_tokens(self) -> int:
-        """Tokens of the sequences in use."""
-        return int((self.ends[self.seq_ids] - self.starts[self.seq_ids]).sum())
-
-    @property
-    def n_trainable(self) -> int:
-        """Positions a block may start at, in the sequences in use."""
-        return int(sum(self.anchor_ok[self.starts[i] : self.ends[i]].sum() for i in self.seq_ids))
-
-    def prompt_keys(self) -> set[bytes]:
-        """Each sequence's token ids before its first trainable position (its prompt), as bytes:
-        an evaluation set sharing one with the training data is not held out."""
-        keys = set()
-        for i in self.seq_ids:
-            start, end = self.starts[i], self.ends[i]
-            keys.add(self.tokens[start : start + int(np.argmax(self.anchor_ok[start:end]))].tobytes())
-        return keys
-
-    def batch(self, rng: np.random.Generator, n_seqs: int, n_anchors: int, block_size: int) -> Batch:
-        seqs = self.seq_ids[rng.integers(0, len(self.seq_ids), size=n_seqs)]
-        lengths = self.ends[seqs] - self.starts[seqs]
-        T = int(math.ceil(lengths.max() / 32) * 32)
-        width = self.hidden.shape[1]
-        hidden = np.zeros((n_seqs, T, width), dtype=np.float32)
-        anchors = np.zeros((n_seqs, n_anchors), dtype=np.int32)
-        labels = np.zeros((n_seqs, n_anchors, block_size - 1), dtype=np.int32)
-        mask = np.zeros_like(labels, dtype=np.float32)
-        anchor_tokens = np.zeros((n_seqs, n_anchors), dtype=np.int32)
-        for i, (seq, n) in enumerate(zip(seqs, lengths)):
-            s = self.starts[seq]
-            ok = self.anchor_ok[s : s + n]
-            hidden[i, :n] = self.hidden[s : s + n]
-            pool = np.nonzero(ok)[0]
-            pick = rng.choice(pool, size=n_anchors, replace=len(pool) < n_anchors)
-            anchors[i] = pick
-            anchor_tokens[i] = self.tokens[s + pick]
-            pos = pick[:, None] + np.arange(block_size - 1)[None, :]
-            inside = pos < n
-            pos = np.minimum(pos, n - 1)
-            labels[i] = np.where(inside, self.labels[s + pos], 0)
-            mask[i] = inside & ok[pos]
-            if self.chain_labels:  # token at pos equals the target's argmax after pos - 1
-                on_path = self.tokens[s + pos] == self.labels[s + np.maximum(pos - 1, 0)]
-                on_path[:, 0] = True
-                mask[i] = mask[i] * np.cumprod(on_path, axis=1)
-        return Batch(mx.array(hidden), mx.array(lengths.astype(np.int32)), mx.array(anchors),
-                     mx.array(anchor_tokens), mx.array(labels), mx.array(mask))
+        return LossWeights(at(self.ce_weight, self.ce_weight_end), at(self.selector_weight, self.selector_weight_end),
+                           at(self.selector_tv_weight, self.selector_tv_weight_end),
+                           at(self.kl_weight, self.kl_weight_end))
 
 
 def lr_schedule(cfg: TrainConfig):
     warm = max(1, int(cfg.steps * cfg.warmup_frac))
-    decay = optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * cfg.min_lr_frac)
-    return optim.join_schedules([optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm), decay], [warm])
+    if cfg.schedule == "cosine":
+        decay = optim.cosine_decay(cfg.lr, max(1, cfg.steps - warm), cfg.lr * cfg.min_lr_frac)
+        return optim.join_schedules([optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm), decay], [warm])
+    if cfg.schedule != "wsd":
+        raise ValueError(f"schedule must be 'wsd' or 'cosine', got {cfg.schedule!r}")
+    decay_at = max(warm, cfg.steps - int(cfg.steps * cfg.decay_frac))
+    parts = [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, warm),
+             optim.linear_schedule(cfg.lr, cfg.lr, max(1, decay_at - warm)),
+             optim.linear_schedule(cfg.lr, cfg.lr * cfg.min_lr_frac, max(1, cfg.steps - decay_at))]
+    return optim.join_schedules(parts, [warm, decay_at])
 
 
 @dataclass
@@ -158,8 +111,12 @@ class Trainer:
                 layer.attention_conv.unfreeze()
                 layer.mlp_conv.unfreeze()
             drafter.candidate_selector.unfreeze()
-        self.weights = position_weights(drafter.config.block_size, cfg.gamma)
-        self.loss_weights = LossWeights(cfg.ce_weight, cfg.selector_weight, cfg.selector_tv_weight)
+        self.block_size = cfg.block_size or drafter.config.block_size
+        self.weights = position_weights(self.block_size, cfg.gamma)
+        self.sampler = AnchorSampler(data, cfg.seqs_per_batch, cfg.anchors_per_seq, cfg.seed)
+        self.soft = bool(cfg.kl_weight or cfg.kl_weight_end)
+        if self.soft and not data.top_k:
+            raise ValueError("kl_weight needs soft labels (top-k log-probs) in the data; these shards have none")
         self.vocab = vocab
         self.head = None if vocab is None else vocab.head(parts)
         if self.head is not None:
@@ -169,18 +126,18 @@ class Trainer:
         self.state = TrainState()
         self._grad = nn.value_and_grad(drafter, self._loss)
 
-    def _loss(self, batch: Batch):
-        loss, metrics = drafter_loss(self.drafter, batch, self.weights, self.loss_weights, self.vocab, self.head)
-        return loss, metrics
+    def _loss(self, batch: Batch, loss_weights: LossWeights | None = None):
+        loss_weights = loss_weights or self.cfg.loss_weights(self.state.step)
+        return drafter_loss(self.drafter, batch, self.weights, loss_weights, self.vocab, self.head,
+                            block_size=self.block_size, dpace=self.cfg.dpace, inject_gold=self.cfg.inject_gold)
 
-    def make_batch(self, step: int, data: FeatureDataset | None = None) -> Batch:
-        rng = np.random.default_rng([self.cfg.seed, step])
-        return (data or self.data).batch(rng, self.cfg.seqs_per_batch, self.cfg.anchors_per_seq,
-                                         self.drafter.config.block_size)
+    def make_batch(self, step: int) -> Batch:
+        return self.data.batch(self.sampler.rows(step), self.block_size, self.cfg.anchors_per_seq, self.soft)
 
     def step(self) -> dict:
         batch = self.make_batch(self.state.step)
-        (loss, metrics), grads = self._grad(batch)
+        loss_weights = self.cfg.loss_weights(self.state.step)
+        (loss, metrics), grads = self._grad(batch, loss_weights)
         grads, norm = optim.clip_grad_norm(grads, self.cfg.grad_clip)
         self.optimizer.update(self.drafter, grads)
         mx.eval(self.drafter.parameters(), self.optimizer.state, metrics, norm)
@@ -188,14 +145,12 @@ class Trainer:
         return _to_python(metrics) | {"grad_norm": norm.item(), "lr": float(self.optimizer.learning_rate.item())}
 
     def evaluate(self) -> dict:
+        """Exact simulated acceptance on every anchor of the evaluation data (`evaluate.simulate`)."""
         if self.eval_data is None:
             return {}
-        sums: dict = {}
-        for i in range(self.cfg.eval_batches):
-            _, metrics = self._loss(self.make_batch(10_000_000 + i, self.eval_data))
-            for k, v in _to_python(metrics).items():
-                sums[k] = np.add(sums.get(k, 0), v)
-        return {f"eval_{k}": (v / self.cfg.eval_batches).tolist() for k, v in sums.items()}
+        result = simulate(self.drafter, self.eval_data, self.cfg.eval_blocks, self.vocab, self.head,
+                          self.cfg.anchors_per_seq, self.cfg.seqs_per_batch)
+        return {f"eval_{b}_{k}": v for b, r in result.items() for k, v in r.items()}
 
     # -- checkpoints ------------------------------------------------------------------
 
@@ -244,13 +199,15 @@ class Trainer:
                 m["tau_est"] = estimated_tau(acc)
                 if self.state.step % self.cfg.eval_every == 0 or self.state.step == self.cfg.steps:
                     m.update(self.evaluate())
-                    if "eval_top1" in m:
-                        m["eval_tau_est"] = estimated_tau(m.get("eval_pick", m["eval_top1"]))
-                self.state.history.append({k: v for k, v in m.items() if k in ("step", "loss", "tau_est", "eval_loss", "eval_tau_est")})
+                keep = ("step", "loss", "tau_est") + tuple(f"eval_b{b}_{k}" for b in self.cfg.eval_blocks
+                                                          for k in ("tau", "tau_all"))
+                self.state.history.append({k: v for k, v in m.items() if k in keep})
                 with open(log_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
+                held = next((f" held-out τ@{b} {m[f'eval_b{b}_tau_all']:.3f}" for b in self.cfg.eval_blocks
+                             if f"eval_b{b}_tau_all" in m), "")
                 bar.update(task, completed=self.state.step,
-                           info=f"loss {m['loss']:.3f} acc[{' '.join(f'{a:.2f}' for a in acc)}] τ≈{m['tau_est']:.2f}")
+                           info=f"loss {m['loss']:.3f} acc[{' '.join(f'{a:.2f}' for a in acc)}]{held}")
                 if self.state.step % self.cfg.save_every == 0 or self.state.step == self.cfg.steps:
                     self.save(final=self.state.step == self.cfg.steps)
         return self.state
@@ -259,6 +216,8 @@ class Trainer:
 def _to_python(metrics: dict) -> dict:
     out = {}
     for k, v in metrics.items():
+        if k.startswith("_"):  # per-anchor arrays, for the evaluation only
+            continue
         arr = np.array(v)
         out[k] = arr.item() if arr.ndim == 0 else arr.tolist()
     return out

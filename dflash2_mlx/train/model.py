@@ -119,9 +119,10 @@ def _local_block_attention(attn, u: mx.array, ctx: mx.array, anchors: mx.array, 
 
 
 def training_hidden(drafter, target_hidden: mx.array, valid_ctx: mx.array, anchor_tokens: mx.array,
-                    anchors: mx.array, local: bool = True) -> mx.array:
+                    anchors: mx.array, local: bool = True, block_size: int | None = None) -> mx.array:
     """Final-normed draft states for every block (`local`: the linear-cost attention; False:
-    its slow twin with one full [A*B, T + A*B] mask).
+    its slow twin with one full [A*B, T + A*B] mask). `block_size` overrides the config's: a
+    drafter's weights do not depend on it, so one trained at 8 can be run at 4.
 
     Shapes:
         target_hidden [S, T, n_taps * H_t] (padded), valid_ctx [S],
@@ -129,7 +130,7 @@ def training_hidden(drafter, target_hidden: mx.array, valid_ctx: mx.array, ancho
     """
     c = drafter.config
     S, A = anchors.shape
-    B = c.block_size
+    B = block_size or c.block_size
     masks = mx.full((S, A, B - 1), c.mask_token_id, dtype=anchor_tokens.dtype)
     x = drafter.target.embed(mx.concatenate([anchor_tokens[..., None], masks], axis=-1))
     if c.input_embedding_scale != 1.0:

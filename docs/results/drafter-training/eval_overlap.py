@@ -18,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from dflash2_mlx.cli.train import _target
-from dflash2_mlx.train.data import SHAREGPT_FILE, FeatureShard, chat_prompt_ids, iter_json_array, package_dir
+from dflash2_mlx.train.data import SHAREGPT_FILE, chat_prompt_ids, iter_json_array, package_dir
+from dflash2_mlx.train.shards import FeatureShard
 
 
 def shipped_prompts(n: int = 1280, seed: int = 0) -> list[str]:
