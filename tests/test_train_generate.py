@@ -110,7 +110,7 @@ def test_features_rebuilt_from_tokens_equal_the_captured_ones(target, tmp_path):
     assert sorted(p.name for p in rebuilt) == sorted(captured)
     for path in rebuilt:
         a, b = captured[path.name], FeatureShard.load(path)
-        for field in ("tokens", "offsets", "response_start", "labels", "anchor_ok", "top_ids"):
+        for field in ("tokens", "offsets", "response_start", "labels", "anchor_ok", "top_ids", "prompt_index"):
             np.testing.assert_array_equal(getattr(a, field), getattr(b, field), err_msg=field)
         np.testing.assert_allclose(a.hidden.astype(np.float32), b.hidden.astype(np.float32), atol=2e-3)
         np.testing.assert_allclose(a.top_logprobs.astype(np.float32), b.top_logprobs.astype(np.float32), atol=2e-2)

@@ -189,3 +189,37 @@ def test_tap_columns_pick_stored_taps():
     assert tap_columns([1, 8], None, 8) is None
     with pytest.raises(ValueError, match=r"\[3\]"):
         tap_columns([1, 8], [3], 8)
+
+
+def test_tied_codebooks_train_resume_exactly_and_save_the_published_layout(target, data_dir, tmp_path):
+    from dflash2_mlx import load_drafter
+    from dflash2_mlx.train.tied import TiedCodebook
+
+    def trainer(out, steps):
+        cfg = new_config(target, "dflash2", n_layers=1, block_size=4, target_layer_ids=list(TAPS),
+                         mask_token_id=MASK_ID, selector_rank=8, selector_top_k=8)
+        data = FeatureDataset(sorted((data_dir / "feat").glob("*.safetensors")))
+        tc = TrainConfig(steps=6, seqs_per_batch=3, anchors_per_seq=8, lr=3e-3, eval_every=100, save_every=3,
+                         tie_codebooks=True, seed=2)
+        t = Trainer(new_drafter(cfg, seed=3), FrozenParts.from_target(target), data, tc, out)
+        t.cfg.steps = steps
+        return t
+
+    full = trainer(tmp_path / "full", 6)
+    sel = full.drafter.candidate_selector
+    assert isinstance(sel.predecessor_codebook, TiedCodebook)
+    before = np.array(sel.successor_codebook.weight)
+    full.run(progress=False)
+    assert not np.allclose(before, np.array(sel.successor_codebook.weight))  # P and R trained
+    part = trainer(tmp_path / "part", 3)
+    part.run(progress=False)
+    resumed = trainer(tmp_path / "part", 6)
+    assert resumed.resume() and resumed.state.step == 3
+    resumed.run(progress=False)
+    for a, b in ((full, resumed),):
+        for name in ("predecessor_codebook", "successor_codebook"):
+            np.testing.assert_array_equal(np.array(getattr(a.drafter.candidate_selector, name).weight),
+                                          np.array(getattr(b.drafter.candidate_selector, name).weight))
+    loaded = load_drafter(tmp_path / "full", target)  # the final drafter: plain codebooks, published names
+    np.testing.assert_allclose(np.array(loaded.candidate_selector.predecessor_codebook.weight),
+                               np.array(sel.predecessor_codebook.weight), rtol=1e-6)

@@ -74,6 +74,8 @@ def prepare_data(
                                                            "conversation list (training takes them from the front) "
                                                            "and synthetic ones from another seed stream: an "
                                                            "evaluation set for fit --eval-data.")] = False,
+    worker: Annotated[str, typer.Option("--worker", help="K/N: this process generates segments s with s % N == K, "
+                                                        "so N processes (one per core) can share a run.")] = "0/1",
     rebuild_features: Annotated[bool, typer.Option("--rebuild-features", help="Only remake missing feat/ shards "
                                                    "of done segments from tokens/ (one target pass each).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
@@ -86,6 +88,9 @@ def prepare_data(
         shares = parse_shares(mix)
     except ValueError as e:
         raise typer.BadParameter(f"--mix: {e}") from None
+    k, _, n = worker.partition("/")
+    if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
+        raise typer.BadParameter(f"--worker must be K/N with 0 <= K < N, got {worker!r}")
     target = _target(model)
     layer_ids = _ids(taps) or default_target_layer_ids(target.n_layers, n_taps)
     if max(layer_ids) >= target.n_layers or min(layer_ids) < 0:
@@ -102,7 +107,7 @@ def prepare_data(
     else:
         summary = onpolicy.generate_run(target, out, prompts, tuple(layer_ids), segment_size=segment_size,
                                         batch_size=batch_size, max_new_tokens=max_new_tokens, top_k=top_k,
-                                        part_size=shard_size)
+                                        part_size=shard_size, worker=(int(k), int(n)))
         s = summary["seconds"]
         summary |= {"response_tok_s": round(summary["response_tokens"] / s, 1) if s else None}
     summary |= {"out": str(out), "prompts": len(prompts), "segments_done": len(onpolicy.done_segments(out)),
@@ -223,6 +228,10 @@ def fit(
     train_vocab_size: Annotated[Optional[int], typer.Option("--train-vocab-size", min=1,
                                                             help="Ids of --train-vocab used (default: its "
                                                                  "default size).")] = None,
+    sources: Annotated[Optional[str], typer.Option("--sources", help="On-policy data: train only on prompts of "
+                                                   "these sources (e.g. sharegpt,turns).")] = None,
+    max_trainable: Annotated[int, typer.Option("--max-trainable", min=0, help="Train on the first sequences "
+                                               "holding this many trainable tokens (0: all).")] = 0,
     kl_weight: Annotated[float, typer.Option("--kl-weight", min=0.0, help="Soft-label KL weight (the target's "
                                              "stored top-k log-probs, with a tail bucket).")] = 0.0,
     ce_weight_end: Annotated[Optional[float], typer.Option("--ce-weight-end", min=0.0, help="Ramp the CE weight "
@@ -237,6 +246,9 @@ def fit(
     inject_gold: Annotated[bool, typer.Option("--inject-gold", help="DFlash 2: a true token outside the top-k "
                                                                     "replaces the weakest candidate in the "
                                                                     "selector loss.")] = False,
+    tie_codebooks: Annotated[bool, typer.Option("--tie-codebooks", help="DFlash 2: train the selector codebooks "
+                                                "as the target's embedding times a learned projection plus a "
+                                                "residual (written as plain codebooks).")] = False,
     schedule: Annotated[str, typer.Option("--schedule", help="wsd (warm-up, stable, linear decay; extendable "
                                                              "by resuming with more --steps) or cosine.")] = "wsd",
     decay_frac: Annotated[float, typer.Option("--decay-frac", min=0.0, max=1.0, help="WSD: share of the steps "
@@ -291,6 +303,7 @@ def fit(
                       ce_weight_end=ce_weight_end, selector_weight_end=selector_weight_end,
                       selector_tv_weight_end=selector_tv_weight_end, kl_weight_end=kl_weight_end,
                       ramp_frac=ramp_frac, dpace=dpace, inject_gold=inject_gold, schedule=schedule,
+                      tie_codebooks=tie_codebooks,
                       decay_frac=decay_frac, eval_blocks=tuple(_ids(eval_blocks) or (4, 8)),
                       block_size=drafter.config.block_size, train_vocab=vocab.size if vocab else 0)
     train_shards, eval_shards = shards[: len(shards) - holdout_shards], shards[len(shards) - holdout_shards :]
@@ -304,7 +317,8 @@ def fit(
         raise typer.BadParameter(f"--taps: {e}") from None
     eval_taps = stored_taps if eval_data is None else json.loads((eval_data / "feat" / "taps.json").read_text())[
         "target_layer_ids"]
-    train_set = FeatureDataset(train_shards, max_seqs=max_seqs or None, columns=columns)
+    train_set = FeatureDataset(train_shards, max_seqs=max_seqs or None, columns=columns,
+                               prompts=_prompts_of(data, sources), max_trainable=max_trainable or None)
     eval_set = (FeatureDataset(eval_shards, columns=tap_columns(eval_taps, taps, len(eval_taps) * target.hidden_size))
                 if eval_shards else None)
     shared = len(train_set.prompt_keys() & eval_set.prompt_keys()) if eval_set else 0
@@ -313,7 +327,8 @@ def fit(
                                  f"in the training data; evaluate on held-out prompts (prepare-data --heldout)")
     typer.echo(f"training on {len(train_shards)} shards: {len(train_set)} sequences, {train_set.n_tokens} tokens "
                f"({train_set.n_trainable} trainable)", err=True)
-    trainer = Trainer(drafter, FrozenParts.from_target(target), train_set, cfg, out, eval_data=eval_set, vocab=vocab)
+    trainer = Trainer(drafter, FrozenParts.from_target(target), train_set, cfg, out, eval_data=eval_set, vocab=vocab,
+                      eval_groups=_sources_of(eval_data or data, eval_set))
     out.mkdir(parents=True, exist_ok=True)
     (out / "data.json").write_text(json.dumps({
         "arch": arch, "train_shards": [str(p) for p in train_shards], "eval_shards": [str(p) for p in eval_shards],
@@ -365,8 +380,9 @@ def eval_cmd(
     vocab_file = train_vocab or find_vocab_file(spec.drafter)
     vocab, _ = _train_vocab(vocab_file, train_vocab_size, target.info.vocab_size)
     d.target = FrozenParts.from_target(target)
-    result = simulate(d, FeatureDataset(shards, columns=columns), tuple(_ids(blocks) or (4, 8)), vocab,
-                      None if vocab is None else vocab.head(d.target), anchors, seqs)
+    data_set = FeatureDataset(shards, columns=columns)
+    result = simulate(d, data_set, tuple(_ids(blocks) or (4, 8)), vocab, None if vocab is None else vocab.head(d.target),
+                      anchors, seqs, _sources_of(data, data_set))
     result = {"drafter": str(spec.drafter), "data": str(data), "vocab": vocab.size if vocab else 0, **result}
     if json_out:
         typer.echo(json.dumps(result))
@@ -377,6 +393,35 @@ def eval_cmd(
             typer.echo(f"  block {key[1:]}: τ {r['tau']:.3f} over {r['cycles']} cycles · mean over {r['anchors']} "
                        f"anchors {r['tau_all']:.3f} · accept by position "
                        + " ".join(f"{a:.2f}" for a in r["accept_by_position"]))
+            for name, g in r.get("by_group", {}).items():
+                typer.echo(f"    {name:9s} τ {g['tau']:.3f} · mean {g['tau_all']:.3f} ({g['sequences']} sequences)")
+
+
+def _prompts_of(data: Path, sources: str | None) -> set[int] | None:
+    """Prompt numbers of an on-policy run whose source is in `sources` (None: no filter)."""
+    if not sources:
+        return None
+    from ..train.onpolicy import PROMPTS_FILE, read_jsonl_gz
+
+    if not (data / PROMPTS_FILE).exists():
+        raise typer.BadParameter(f"--sources needs on-policy data with {data / PROMPTS_FILE}")
+    wanted = {s.strip() for s in sources.split(",") if s.strip()}
+    rows = read_jsonl_gz(data / PROMPTS_FILE)
+    unknown = wanted - {r["source"] for r in rows}
+    if unknown:
+        raise typer.BadParameter(f"--sources {sorted(unknown)} are not in {data} (it has "
+                                 f"{sorted({r['source'] for r in rows})})")
+    return {r["i"] for r in rows if r["source"] in wanted}
+
+
+def _sources_of(data: Path, data_set) -> dict[int, str] | None:
+    """Sequence number -> its prompt's source, for on-policy data (None otherwise)."""
+    from ..train.onpolicy import PROMPTS_FILE, read_jsonl_gz
+
+    if data_set is None or not (data / PROMPTS_FILE).exists() or (data_set.prompt_index < 0).any():
+        return None
+    source = {r["i"]: r["source"] for r in read_jsonl_gz(data / PROMPTS_FILE)}
+    return {i: source[int(p)] for i, p in enumerate(data_set.prompt_index)}
 
 
 def _train_vocab(path: Path | None, size: int | None, vocab_size: int):

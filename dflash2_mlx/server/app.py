@@ -18,14 +18,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
 
 from .._version import __version__
-from . import anthropic, errors, ollama, openai_api
+from . import anthropic, errors, ollama, openai_api, responses
 from .config import ServerConfig
 from .dispatch import StateDep, make_state, speculation_info
 from .guard import Guard
 from .schema import refused
 
 STREAMING = {"/v1/chat/completions": "text/event-stream", "/v1/completions": "text/event-stream",
-             "/v1/messages": "text/event-stream",
+             "/v1/messages": "text/event-stream", "/v1/responses": "text/event-stream",
              "/api/chat": "application/x-ndjson", "/api/generate": "application/x-ndjson"}
 
 
@@ -127,6 +127,7 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["Retry-After"], max_age=600)
     app.include_router(openai_api.router)
+    app.include_router(responses.router)
     app.include_router(ollama.router)
     app.include_router(anthropic.router)
 

@@ -27,6 +27,7 @@ from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
 from .errors import APIError
 from .cache_pool import PromptCachePool
 from .metrics import Metrics
+from .response_store import ResponseStore
 from .worker import GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
 
 
@@ -46,6 +47,7 @@ class ServerState:
     quantization: str = "none"
     created: int = field(default_factory=lambda: int(time.time()))
     encode_lock: threading.Lock = field(default_factory=threading.Lock)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's recent responses
 
 
 def served_name(session) -> str:

@@ -172,6 +172,34 @@ class CompletionRequest(_Sampling):
         return super().unsupported()
 
 
+# -- OpenAI Responses -------------------------------------------------------------------------
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses; items and tools are checked by `responses.py`, which names the bad one."""
+
+    model: ModelName
+    input: Text | Annotated[list[dict[str, Any]], Field(min_length=1, max_length=MAX_MESSAGES)]
+    instructions: Annotated[str | None, Field(default=None, max_length=MAX_TEXT_CHARS)]
+    tools: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=128)]
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: MaxTokens
+    temperature: Temperature
+    top_p: TopP
+    top_logprobs: Annotated[int | None, Field(default=None, ge=0, le=20)]
+    stream: bool = False
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    previous_response_id: Annotated[str | None, Field(default=None, max_length=MAX_MODEL_CHARS)]
+    store: bool | None = None
+    include: Annotated[list[str] | None, Field(default=None, max_length=32)]
+    metadata: dict[str, Any] | None = None
+
+    def unsupported(self) -> str | None:
+        return None
+
+
 # -- Ollama --------------------------------------------------------------------------------
 
 

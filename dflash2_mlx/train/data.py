@@ -79,8 +79,8 @@ def target_pass(target, seq: list[int], taps: tuple[int, ...], top_k: int = 0):
     if not top_k:
         mx.eval(labels, h)
         return labels, h
-    ids, lps = top_logprobs(logits[0], top_k)
-    mx.eval(labels, h, ids, lps)
+    mx.eval(labels, h, logits)
+    ids, lps = top_logprobs(logits[0].astype(mx.float32), top_k)
     return labels, h, ids, lps
 
 

@@ -44,26 +44,35 @@ class FeatureDataset:
     drafter must predict); past the first disagreement of teacher-forced text, the argmax is
     conditioned on tokens the target would not have written. A no-op on regenerated data.
     `columns`: the hidden-state columns to use (a subset of the stored taps), or None for all.
+    `prompts`: keep only on-policy sequences whose prompt number is in this set; `max_seqs` /
+    `max_trainable`: stop after that many sequences / trainable tokens (in shard order).
     """
 
     def __init__(self, paths: list[Path], max_seqs: int | None = None, chain_labels: bool = True,
-                 columns: np.ndarray | None = None):
+                 columns: np.ndarray | None = None, prompts: set[int] | None = None, max_trainable: int | None = None):
         self.chain_labels, self.columns = chain_labels, columns
         self.shards = [s for s in (FeatureShard.load(p) for p in paths) if len(s)]
         if not self.shards:
             raise ValueError(f"no training sequences in {[str(p) for p in paths]}")
-        index = []
+        index, total = [], 0
         for k, s in enumerate(self.shards):
             for i in range(len(s)):
                 a, b = int(s.offsets[i]), int(s.offsets[i + 1])
                 n = int(s.anchor_ok[a:b].sum())
-                if n:
-                    index.append((k, a, b, n))
-        index = index[:max_seqs]
+                prompt = -1 if s.prompt_index is None else int(s.prompt_index[i])
+                if n and (prompts is None or prompt in prompts):
+                    index.append((k, a, b, n, prompt))
+                    total += n
+                if (max_seqs and len(index) >= max_seqs) or (max_trainable and total >= max_trainable):
+                    break
+            else:
+                continue
+            break
         self.shard_of = np.array([r[0] for r in index], dtype=np.int32)
         self.starts = np.array([r[1] for r in index], dtype=np.int64)
         self.ends = np.array([r[2] for r in index], dtype=np.int64)
         self.n_anchors = np.array([r[3] for r in index], dtype=np.int64)
+        self.prompt_index = np.array([r[4] for r in index], dtype=np.int64)  # -1: not on-policy data
         width = self.shards[0].hidden.shape[1]
         self.width = width if columns is None else len(columns)
         self.top_k = min(s.top_k for s in self.shards)

@@ -67,10 +67,12 @@ def anchor_lengths(drafter, data: FeatureDataset, block_size: int, vocab=None, h
 
 
 def simulate(drafter, data: FeatureDataset, block_sizes=(4, 8), vocab=None, head=None, anchors_per_seq: int = 64,
-             seqs_per_batch: int = 4) -> dict:
+             seqs_per_batch: int = 4, groups: dict[int, str] | None = None) -> dict:
     """Exact simulated acceptance of `drafter` on every anchor of `data`, at each block size.
 
-    Returns {"b4": {"tau", "tau_all", "cycles", "anchors", "accept_by_position", "top1", ...}, ...}.
+    Returns {"b4": {"tau", "tau_all", "cycles", "anchors", "accept_by_position", "top1", ...}, ...};
+    with `groups` (sequence number -> name, e.g. each prompt's source) also "by_group":
+    {name: {"tau", "tau_all"}}.
     """
     out = {}
     for B in block_sizes:
@@ -83,4 +85,18 @@ def simulate(drafter, data: FeatureDataset, block_sizes=(4, 8), vocab=None, head
         out[f"b{B}"] = {"tau": round(tau, 4), "tau_all": round(float(all_lengths.mean()), 4), "cycles": len(cycles),
                         "anchors": int(len(all_lengths)), "accept_by_position": [round(a, 4) for a in accept],
                         **{k: [round(float(x), 4) for x in v / count] for k, v in sums.items()}}
+        if groups:
+            out[f"b{B}"]["by_group"] = _by_group(lengths, groups)
+    return out
+
+
+def _by_group(lengths: dict[int, dict[int, int]], groups: dict[int, str]) -> dict:
+    out = {}
+    for name in sorted(set(groups.values())):
+        seqs = [i for i in lengths if groups.get(i) == name]
+        all_lengths = [n for i in seqs for n in lengths[i].values()]
+        cycles = [n for i in seqs for n in walk(lengths[i])]
+        if cycles:
+            out[name] = {"tau": round(sum(cycles) / len(cycles), 4),
+                         "tau_all": round(sum(all_lengths) / len(all_lengths), 4), "sequences": len(seqs)}
     return out

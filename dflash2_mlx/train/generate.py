@@ -67,13 +67,18 @@ class _Row:
     top_lp: list[np.ndarray] = field(default_factory=list)
 
 
-def top_logprobs(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
-    """(ids [B, k] best first, log-probs [B, k]) of the rows of `logits [B, V]`."""
-    logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32), axis=-1, keepdims=True)
-    ids = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
-    vals = mx.take_along_axis(logprobs, ids, axis=-1)
-    order = mx.argsort(-vals, axis=-1)
-    return mx.take_along_axis(ids, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)
+def top_logprobs(logits, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [B, k] int32 best first, log-probs [B, k] float32) of the rows of `logits [B, V]`.
+
+    In NumPy: its vectorised exp makes the full-vocab log-sum-exp ~10x faster than MLX's CPU
+    backend here, and this runs once per decoding step."""
+    x = np.asarray(logits, dtype=np.float32)
+    top = x.max(axis=-1, keepdims=True)
+    lse = top + np.log(np.exp(x - top).sum(axis=-1, keepdims=True))
+    ids = np.argpartition(-x, k - 1, axis=-1)[:, :k]
+    vals = np.take_along_axis(x, ids, axis=-1) - lse
+    order = np.argsort(-vals, axis=-1, kind="stable")
+    return np.take_along_axis(ids, order, axis=-1).astype(np.int32), np.take_along_axis(vals, order, axis=-1)
 
 
 class CaptureGenerator:
@@ -179,10 +184,11 @@ class CaptureGenerator:
 
     def _read(self, logits: mx.array, hidden: mx.array):
         picks = mx.argmax(logits, axis=-1)
-        ids, lps = top_logprobs(logits, self.top_k)
+        logits = logits.astype(mx.float32)
         hidden = hidden.astype(mx.float16)
-        mx.eval(picks, ids, lps, hidden)
-        return picks.tolist(), np.array(ids), np.array(lps.astype(mx.float16)), np.array(hidden)
+        mx.eval(picks, logits, hidden)
+        ids, lps = top_logprobs(logits, self.top_k)
+        return picks.tolist(), ids, lps.astype(np.float16), np.array(hidden)
 
     @staticmethod
     def _record(r: _Row, pick: int, ids: np.ndarray, lps: np.ndarray) -> None:

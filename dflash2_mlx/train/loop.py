@@ -24,6 +24,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from ..drafter.load import read_checkpoint, save_drafter, build_drafter
 from ..drafter.config import parse_config
+from . import tied
 from .dataset import AnchorSampler, FeatureDataset
 from .evaluate import simulate
 from .loss import Batch, LossWeights, TrainVocab, drafter_loss, estimated_tau, position_weights
@@ -62,6 +63,7 @@ class TrainConfig:
     eval_blocks: tuple[int, ...] = (4, 8)
     save_every: int = 100
     freeze_backbone: bool = False
+    tie_codebooks: bool = False  # DFlash 2: selector codebooks = E·P + R while training (`tied.py`)
 
     def loss_weights(self, step: int) -> LossWeights:
         """The loss weights at `step` (the ramp from the start values to the end values)."""
@@ -99,8 +101,10 @@ class Trainer:
     """Owns the drafter, optimizer, data and checkpoints of one training run."""
 
     def __init__(self, drafter, parts, data: FeatureDataset, cfg: TrainConfig, out_dir: Path,
-                 eval_data: FeatureDataset | None = None, vocab: TrainVocab | None = None):
+                 eval_data: FeatureDataset | None = None, vocab: TrainVocab | None = None,
+                 eval_groups: dict[int, str] | None = None):
         self.drafter, self.data, self.eval_data, self.cfg = drafter, data, eval_data, cfg
+        self.eval_groups = eval_groups
         self.out_dir = Path(out_dir)
         drafter.target = parts
         if cfg.freeze_backbone:
@@ -111,6 +115,10 @@ class Trainer:
                 layer.attention_conv.unfreeze()
                 layer.mlp_conv.unfreeze()
             drafter.candidate_selector.unfreeze()
+        if cfg.tie_codebooks:
+            if not drafter.config.is_v2:
+                raise ValueError("tie_codebooks ties the DFlash 2 selector's codebooks; the drafter is v1")
+            tied.tie(drafter.candidate_selector, parts.embed_weight)
         self.block_size = cfg.block_size or drafter.config.block_size
         self.weights = position_weights(self.block_size, cfg.gamma)
         self.sampler = AnchorSampler(data, cfg.seqs_per_batch, cfg.anchors_per_seq, cfg.seed)
@@ -149,7 +157,7 @@ class Trainer:
         if self.eval_data is None:
             return {}
         result = simulate(self.drafter, self.eval_data, self.cfg.eval_blocks, self.vocab, self.head,
-                          self.cfg.anchors_per_seq, self.cfg.seqs_per_batch)
+                          self.cfg.anchors_per_seq, self.cfg.seqs_per_batch, self.eval_groups)
         return {f"eval_{b}_{k}": v for b, r in result.items() for k, v in r.items()}
 
     # -- checkpoints ------------------------------------------------------------------
@@ -157,13 +165,27 @@ class Trainer:
     def save(self, final: bool = False) -> Path:
         dest = self.out_dir / "checkpoint"
         with atomic_path(dest) as tmp:
-            save_drafter(self.drafter, tmp / "drafter")
+            self._save_drafter(tmp / "drafter")
             mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(self.optimizer.state)))
+            if self.cfg.tie_codebooks:
+                mx.save_safetensors(str(tmp / "tied.safetensors"), tied.tied_state(self.drafter.candidate_selector))
             (tmp / "state.json").write_text(json.dumps({"step": self.state.step, "history": self.state.history,
                                                         "config": asdict(self.cfg)}))
         if final:
-            save_drafter(self.drafter, self.out_dir)
+            self._save_drafter(self.out_dir)
         return dest
+
+    def _save_drafter(self, path: Path) -> None:
+        """The drafter in the published layout (tied codebooks written as plain tables)."""
+        selector = getattr(self.drafter, "candidate_selector", None)
+        books = {name: getattr(selector, name) for name in tied.CODEBOOKS} if self.cfg.tie_codebooks else {}
+        if books:
+            tied.materialize(selector)
+        try:
+            save_drafter(self.drafter, path)
+        finally:
+            for name, book in books.items():
+                setattr(selector, name, book)
 
     def resume(self) -> bool:
         """Load the last checkpoint in out_dir if there is one; True if resumed."""
@@ -172,7 +194,12 @@ class Trainer:
             return False
         raw, weights = read_checkpoint(ckpt / "drafter")
         loaded = build_drafter(parse_config(raw), weights)
+        if self.cfg.tie_codebooks:
+            tied.materialize(self.drafter.candidate_selector)
         self.drafter.update(loaded.parameters())
+        if self.cfg.tie_codebooks:
+            tied.load_tied_state(self.drafter.candidate_selector, self.drafter.target.embed_weight,
+                                 mx.load(str(ckpt / "tied.safetensors")))
         opt = mx.load(str(ckpt / "optimizer.safetensors"))
         self.optimizer.state = tree_unflatten(list(opt.items()))
         state = json.loads((ckpt / "state.json").read_text())

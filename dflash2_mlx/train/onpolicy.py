@@ -102,7 +102,7 @@ class _PartWriter:
         ids, lps = pad_soft_rows(n_prompt - 1, g.top_ids, g.top_logprobs)
         labels = g.tokens[1 : n_prompt] + g.labels  # teacher-forced text labels before the response
         trainable = [0] * n_prompt + [1] * len(g.response)
-        self.writer.add(g.tokens, labels, trainable, g.hidden, ids, lps)
+        self.writer.add(g.tokens, labels, trainable, g.hidden, ids, lps, prompt_index=g.index)
         if len(self.writer) == self.part_size:
             self.flush()
 
@@ -115,13 +115,18 @@ class _PartWriter:
 
 def generate_run(target, out: Path, prompts: list[dict], taps: tuple[int, ...], *, segment_size: int = 1024,
                  batch_size: int = 64, max_new_tokens: int = 160, top_k: int = TOP_K, part_size: int = 256,
-                 progress: bool = True) -> dict:
-    """Generate every segment not done yet; returns totals of this call (prompts, tokens, seconds)."""
+                 progress: bool = True, worker: tuple[int, int] = (0, 1)) -> dict:
+    """Generate every segment not done yet; returns totals of this call (prompts, tokens, seconds).
+
+    `worker` (k, n): only segments s with s % n == k, so n processes can share a run.
+    """
     (out / "tokens").mkdir(parents=True, exist_ok=True)
     (out / "feat").mkdir(parents=True, exist_ok=True)
     (out / "feat" / "taps.json").write_text(json.dumps({"target_layer_ids": list(taps)}))
     width = len(taps) * target.hidden_size
-    todo = [(s, r) for s, r in enumerate(segments(len(prompts), segment_size)) if not token_path(out, s).exists()]
+    k, n = worker
+    todo = [(s, r) for s, r in enumerate(segments(len(prompts), segment_size))
+            if s % n == k and not token_path(out, s).exists()]
     totals = {"segments": len(todo), "prompts": 0, "response_tokens": 0, "picked_tokens": 0, "seconds": 0.0}
     with progress_bar(progress) as bar:
         task = bar.add_task("generating", total=sum(len(r) for _, r in todo), info="")
@@ -189,7 +194,8 @@ def writer_add_extracted(writer: ShardWriter, target, prompt: list[int], row: di
     n_prompt = len(prompt)
     labels = prompt[1:] + np.array(labels)[n_prompt - 1 :].tolist()  # text labels in the prompt, as captured
     ids, lps = pad_soft_rows(n_prompt - 1, np.array(ids)[n_prompt - 1 :], np.array(lps)[n_prompt - 1 :])
-    writer.add(seq, labels, [0] * n_prompt + [1] * len(row["response"]), np.array(h), ids, lps)
+    writer.add(seq, labels, [0] * n_prompt + [1] * len(row["response"]), np.array(h), ids, lps,
+               prompt_index=row["i"])
 
 
 def iter_answers(out: Path) -> Iterator[tuple[dict, dict]]:

@@ -59,6 +59,7 @@ class FeatureShard:
     anchor_ok: np.ndarray | None = None  # [N] uint8
     top_ids: np.ndarray | None = None  # [N, k] int32
     top_logprobs: np.ndarray | None = None  # [N, k] float16, -inf where no soft label was stored
+    prompt_index: np.ndarray | None = None  # [n_seq] int32, each sequence's prompt in its run (on-policy data)
 
     def __post_init__(self):
         if self.labels is None:
@@ -73,7 +74,7 @@ class FeatureShard:
     def load(cls, path: Path) -> "FeatureShard":
         arrays = mmap_safetensors(Path(path))
         fields = [arrays[k] for k in ("tokens", "offsets", "response_start", "hidden")]
-        extra = [arrays.get(k) for k in ("labels", "anchor_ok", "top_ids", "top_logprobs")]
+        extra = [arrays.get(k) for k in ("labels", "anchor_ok", "top_ids", "top_logprobs", "prompt_index")]
         return cls(*fields, *extra)
 
     def __len__(self) -> int:
@@ -96,12 +97,17 @@ class ShardWriter:
         self.hidden: list[np.ndarray] = []
         self.top_ids: list[np.ndarray] = []
         self.top_lp: list[np.ndarray] = []
+        self.prompt_index: list[int] = []
 
     def __len__(self) -> int:
         return len(self.starts)
 
-    def add(self, seq: list[int], labels, trainable: list[int], hidden, top_ids=None, top_logprobs=None) -> None:
-        """One sequence; `top_ids` / `top_logprobs` [len(seq), k] (-inf rows: none), needed when top_k > 0."""
+    def add(self, seq: list[int], labels, trainable: list[int], hidden, top_ids=None, top_logprobs=None,
+            prompt_index: int | None = None) -> None:
+        """One sequence; `top_ids` / `top_logprobs` [len(seq), k] (-inf rows: none), needed when top_k > 0;
+        `prompt_index`: its prompt's number in an on-policy run (all or none of a shard's sequences)."""
+        if prompt_index is not None:
+            self.prompt_index.append(prompt_index)
         n = len(seq)
         self.tokens.extend(seq)
         self.labels.append(np.asarray(labels, dtype=np.int32).reshape(n))
@@ -127,6 +133,10 @@ class ShardWriter:
             "anchor_ok": mx.array(np.asarray(self.ok, dtype=np.uint8)),
             "hidden": cat(self.hidden, (0, self.width), np.float16),
         }
+        if self.prompt_index:
+            if len(self.prompt_index) != len(self.starts):
+                raise ValueError("prompt_index was given for some sequences of this shard but not all")
+            arrays["prompt_index"] = mx.array(np.asarray(self.prompt_index, dtype=np.int32))
         if self.top_k:
             arrays["top_ids"] = cat(self.top_ids, (0, self.top_k), np.int32)
             arrays["top_logprobs"] = cat(self.top_lp, (0, self.top_k), np.float16)
