@@ -1,11 +1,29 @@
 """Anthropic-compatible routes: POST /v1/messages (streamed or not), /v1/messages/count_tokens.
 
-Local coding agents speak this API. Requests carry `x-api-key` (accepted like a bearer key),
-a `system` prompt, `messages` of text, tool_use and tool_result blocks, `tools` /
+Local coding agents speak this API (Claude Code first). Requests carry `x-api-key` (accepted like
+a bearer key), a `system` prompt, `messages` of text, tool_use and tool_result blocks, `tools` /
 `tool_choice` and `stop_sequences`; replies are `message` objects with text and tool_use
-blocks, `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`) and `usage`; streams are Anthropic's named SSE events (`message_start`, `content_block_start`,
+blocks, `stop_reason` (`end_turn`, `max_tokens`, `stop_sequence`, `tool_use`) and `usage`;
+streams are Anthropic's named SSE events (`message_start`, `content_block_start`,
 `content_block_delta`, `content_block_stop`, `message_delta`, `message_stop`), and a job
 that fails mid-stream ends with an `error` event. Errors use Anthropic's error shape.
+
+What Claude Code sends and how it is taken:
+
+* `system` messages between turns are merged, in order, after the `system` prompt: chat
+  templates take one system message, at the start.
+* The `x-anthropic-billing-header: ...` system block is dropped: it changes on every request
+  in interactive sessions and, first in the prompt, would defeat the prefix cache.
+* `max_tokens` above `--max-tokens-cap` or the room left in the context window is clamped, not
+  refused; the `x-dflash2-max-tokens` header says `granted; asked=N` when it was.
+* A prompt over the window is refused as Anthropic does ("prompt is too long: N tokens > M
+  maximum"), the wording Claude Code answers by compacting the conversation.
+* `thinking` sets the model's thinking mode when its chat template has one; a model without one
+  answers without thinking blocks.
+* Tools with `defer_loading` are left out (the tool-search they wait for does not exist here).
+* Ignored on purpose, having no meaning on a local server: `metadata`, `output_config`,
+  `context_management`, `cache_control` (the prefix cache works without it), and the
+  `anthropic-beta` / `anthropic-version` headers.
 """
 
 from __future__ import annotations
@@ -13,6 +31,7 @@ from __future__ import annotations
 import json
 
 from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
 from . import dispatch, tools
@@ -24,10 +43,25 @@ from .worker import Job, JobFailed
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
 
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
 def _text(content) -> str:
     if isinstance(content, str):
         return content
     return "".join(block.text for block in content if block.type == "text")
+
+
+def _system_text(body) -> str | None:
+    """The system prompt: `system` (without the billing-header block), then every system message."""
+    parts = []
+    if isinstance(body.system, str):
+        parts.append(body.system)
+    elif body.system is not None:
+        parts.append("".join(b.text for b in body.system if not b.text.startswith(BILLING_HEADER)))
+    parts += [_text(m.content) for m in body.messages if m.role == "system"]
+    text = "\n\n".join(p for p in parts if p)
+    return text or None
 
 
 def _template_messages(body) -> list[dict]:
@@ -35,6 +69,8 @@ def _template_messages(body) -> list[dict]:
     tool_result blocks become `tool` messages (before the user's own text)."""
     out = []
     for m in body.messages:
+        if m.role == "system":
+            continue  # merged into the system prompt (`_system_text`)
         blocks = [] if isinstance(m.content, str) else m.content
         for b in blocks:
             if b.type == "tool_result":
@@ -68,9 +104,10 @@ def _tools(state: ServerState, body) -> tuple[list[dict] | None, str]:
             raise APIError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", "invalid_value",
                            "tool_choice")
     as_openai = None
-    if body.tools:
+    offered = [t for t in body.tools or [] if not t.get("defer_loading")]
+    if offered:
         as_openai = []
-        for i, t in enumerate(body.tools):
+        for i, t in enumerate(offered):
             if not isinstance(t.get("input_schema", {}), dict):
                 raise APIError(400, f"tools[{i}].input_schema must be a JSON schema object", "invalid_value",
                                f"tools[{i}].input_schema")
@@ -88,11 +125,30 @@ def _tools(state: ServerState, body) -> tuple[list[dict] | None, str]:
     return as_openai, resolved
 
 
+def _thinking(state: ServerState, body) -> dict:
+    """Template variables for `thinking`: the thinking mode, when the model's template has one."""
+    kind = (body.thinking or {}).get("type")
+    template = getattr(state.session.target.tokenizer, "chat_template", None) or ""
+    if kind is None or "enable_thinking" not in str(template):
+        return {}
+    return {"enable_thinking": kind != "disabled"}
+
+
 async def _prompt_ids(state: ServerState, body, tool_list: list[dict] | None) -> list[int]:
-    system = _text(body.system) if body.system is not None else None
-    template = {"tools": tool_list} if tool_list else None
-    return await dispatch.encode(state, _template_messages(body), raw=False, system=system or None,
-                                 template=template)
+    template = _thinking(state, body) | ({"tools": tool_list} if tool_list else {})
+    return await dispatch.encode(state, _template_messages(body), raw=False, system=_system_text(body),
+                                 template=template or None)
+
+
+def _output_budget(state: ServerState, n_prompt: int, asked: int) -> tuple[int, dict]:
+    """(max tokens granted, response headers): `asked` clamped to the cap and the room in the window;
+    a prompt with no room left is refused in Anthropic's words."""
+    limit = min(state.max_prompt_tokens, state.context_window - 1)
+    if n_prompt > limit:
+        raise APIError(400, f"prompt is too long: {n_prompt} tokens > {limit} maximum", "context_length_exceeded",
+                       "messages")
+    granted = min(asked, state.config.max_tokens_cap, state.context_window - n_prompt)
+    return granted, ({"x-dflash2-max-tokens": f"{granted}; asked={asked}"} if granted < asked else {})
 
 
 def _stop_reason(job: Job, calls=None) -> str:
@@ -130,8 +186,6 @@ async def _events(state: ServerState, job: Job, calls):
     (its input as one input_json_delta)."""
     yield _event("message_start", {"message": _message(job, state, [], final=False)})
     blocks = _Blocks()
-    for e in blocks.text(""):
-        yield e
     try:
         async for event in job.events():
             for e in blocks.feed(*calls.feed(event.text)):
@@ -141,11 +195,14 @@ async def _events(state: ServerState, job: Job, calls):
     except JobFailed as e:
         yield {"event": "error", "data": json.dumps(error_body("/v1/messages", dispatch.failure_error(e)))}
         return
+    if blocks.index < 0:  # an empty reply still has its (empty) text block, as non-streamed replies do
+        for e in blocks.text(""):
+            yield e
     for e in blocks.close():
         yield e
     yield _event("message_delta", {"delta": {"stop_reason": _stop_reason(job, calls),
                                              "stop_sequence": job.stats.stop_sequence},
-                                   "usage": {"output_tokens": job.stats.predicted_n}})
+                                   "usage": _usage(job)})
     yield _event("message_stop", {})
 
 
@@ -188,22 +245,22 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
     ids = await _prompt_ids(state, body, tool_list)
     parallel = not (body.tool_choice or {}).get("disable_parallel_tool_use", False)
     constraint = await tools.forced_call_constraint(state, tool_list, choice, parallel)
+    n_max, headers = _output_budget(state, len(ids), body.max_tokens)
     dispatch.check_prompt(state, ids)
-    n_max = dispatch.max_tokens(state, body.max_tokens)
-    n_max = dispatch.fit_context(state, len(ids), n_max, explicit=True)
     params = dispatch.sampling(state, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages",
                           constraint=constraint)
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list)
     if body.stream:
         return EventSourceResponse(dispatch.guarded(state, job, _events(state, job, calls)), sep="\n",
-                                   shutdown_grace_period=state.config.shutdown_timeout)
+                                   shutdown_grace_period=state.config.shutdown_timeout, headers=headers)
     text, _ = await dispatch.collect(request, state, job)
     text, _ = calls.feed(text)
     rest, _ = calls.finish()
     text += rest
     content = [{"type": "text", "text": text}] if text or not calls.calls else []
-    return _message(job, state, content + [_tool_use(c) for c in calls.calls], final=True, calls=calls)
+    message = _message(job, state, content + [_tool_use(c) for c in calls.calls], final=True, calls=calls)
+    return JSONResponse(message, headers=headers)
 
 
 @router.post("/messages/count_tokens", summary="Count prompt tokens (Anthropic)")

@@ -361,7 +361,7 @@ class AnthropicOther(OtherPart):
 
 
 class AnthropicMessage(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # Claude Code sends system messages between turns
     content: Text | Annotated[list[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicOther],
                               Field(max_length=MAX_MESSAGES)]
 
@@ -372,11 +372,15 @@ class _AnthropicPrompt(_Body):
     system: Text | Annotated[list[AnthropicText], Field(max_length=MAX_MESSAGES)] | None = None
     tools: Annotated[list[dict[str, Any]] | None, Field(default=None, max_length=128)]
     tool_choice: dict[str, Any] | None = None
-    thinking: Annotated[dict[str, Any] | None, Field(default=None, json_schema_extra=refused())]
+    thinking: Annotated[dict[str, Any] | None, Field(default=None, description="{'type': 'enabled' | 'adaptive' | "
+                                                     "'disabled', 'budget_tokens'}: the model's thinking mode when "
+                                                     "its chat template has one; a model without one answers "
+                                                     "without thinking.")]
 
     def unsupported(self) -> str | None:
-        if self.thinking is not None and self.thinking.get("type") != "disabled":
-            return "thinking (extended thinking) is not supported by this server"
+        kind = (self.thinking or {}).get("type", "disabled")
+        if kind not in ("enabled", "adaptive", "disabled"):
+            return f"thinking.type must be enabled, adaptive or disabled, got {kind!r}"
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 for block in message.content:
