@@ -271,6 +271,9 @@ def _preflight(url: str, origin: str):
                             "Access-Control-Request-Headers": "authorization, content-type"})
 
 
+CHAT = "/v1/chat/completions"
+
+
 def test_cors_preflight_only_for_the_configured_origin(hard):
     ok = _preflight(hard.url, ORIGIN)
     assert ok.status == 200 and ok.headers["access-control-allow-origin"] == ORIGIN
@@ -279,6 +282,30 @@ def test_cors_preflight_only_for_the_configured_origin(hard):
     assert other.status == 400 and "access-control-allow-origin" not in other.headers
     simple = request(hard.url, "GET", "/v1/models", headers={"Origin": ORIGIN})
     assert simple.status == 200 and simple.headers["access-control-allow-origin"] == ORIGIN
+
+
+def test_a_cross_origin_simple_post_cannot_start_a_generation(hard):
+    body = json.dumps({"model": NAME, "messages": MSG, "max_tokens": 2}).encode()
+    plain = {"Content-Type": "text/plain"}  # a "simple" request: no preflight in a browser
+    for origin in ("http://evil.example", "null", "https://localhost.evil.example", "chrome-extension://abc"):
+        refused = request(hard.url, "POST", CHAT, raw=body, headers={**plain, "Origin": origin})
+        assert refused.status == 403, origin
+        message = refused.json()["error"]["message"]
+        assert origin in message and "--cors-origin" in message
+    for origin in (ORIGIN, "http://localhost:5173", "http://127.0.0.1:8000", "http://[::1]:9", "http://dflash.test:1"):
+        assert request(hard.url, "POST", CHAT, raw=body, headers={**plain, "Origin": origin}).status == 200, origin
+    assert request(hard.url, "POST", CHAT, raw=body, headers=plain).status == 200  # no Origin: not a browser page
+    assert request(hard.url, "GET", "/v1/models", headers={"Origin": "http://evil.example"}).status == 200
+
+
+def test_a_deeply_nested_schema_is_a_400_not_a_500(hard):
+    schema: dict = {"type": "string"}
+    for _ in range(400):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"model": NAME, "messages": MSG, "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}}
+    reply = request(hard.url, "POST", CHAT, body)
+    assert reply.status == 400 and "nests deeper" in reply.json()["error"]["message"]
 
 
 # -- 8, 9, 11: fields, context window, strict types -------------------------------------------

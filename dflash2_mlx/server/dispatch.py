@@ -52,8 +52,13 @@ class ServerState:
 
 def served_name(session) -> str:
     """The name clients use for the loaded pair: the resolved name, or a directory's basename."""
-    name = str(getattr(session.spec, "name", "") or session.spec.target)
-    return Path(name).name if looks_like_path(name) else name
+    return public_name(getattr(session.spec, "name", "") or session.spec.target)
+
+
+def public_name(name) -> str:
+    """A model or drafter name fit for unauthenticated routes (/health, /metrics): a path's basename."""
+    text = str(name)
+    return Path(text).name if looks_like_path(text) else text
 
 
 def looks_like_path(name: str) -> bool:
@@ -90,7 +95,8 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     n_params, quantization = model_facts(session.target.model)
     drafter = getattr(session.spec, "drafter", None) if session.drafter is not None else None
     pool = PromptCachePool(session.prompt_cache, config.prompt_cache_bytes)
-    metrics = Metrics({"model": name, "drafter": str(drafter or "none"), "version": __version__}, prompt_caches=pool)
+    metrics = Metrics({"model": name, "drafter": public_name(drafter) if drafter else "none", "version": __version__},
+                      prompt_caches=pool)
     worker = GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk,
                               pool if pool.enabled else None, config.max_batch)
     return ServerState(
@@ -109,9 +115,7 @@ def speculation_info(state: ServerState) -> dict:
         return {"drafter": None, "width_policy": "plain", "active": False,
                 "fallback_reason": "no drafter is loaded: every request decodes plainly"}
     fixed = session.block_size or session.drafter.config.block_size
-    drafter = str(session.spec.drafter)
-    drafter = Path(drafter).name if looks_like_path(drafter) else drafter  # /health is public: no paths
-    info = {"drafter": drafter, "width_policy": "auto" if fixed == "auto" else f"fixed {fixed}",
+    info = {"drafter": public_name(session.spec.drafter), "width_policy": "auto" if fixed == "auto" else f"fixed {fixed}",
             "active": True, "fallback_reason": None, "tokens_per_cycle": round(state.metrics.tokens_per_cycle(), 4)}
     policy = session.policy
     if policy is not None:
@@ -267,12 +271,20 @@ MAX_SCHEMA_CHARS = 64 * 1024
 MAX_SCHEMA_DEPTH = 24
 
 
-def _depth(value, level: int = 0) -> int:
-    if isinstance(value, dict):
-        return max((_depth(v, level + 1) for v in value.values()), default=level + 1)
-    if isinstance(value, list):
-        return max((_depth(v, level + 1) for v in value), default=level + 1)
-    return level
+def _depth(value, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """Nesting depth of dicts and lists, counted without recursion and only up to `limit` + 1
+    (a schema nested thousands of levels must be a 400, not a RecursionError)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        node, level = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level + 1)
+        if deepest > limit:
+            return deepest
+        stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 async def json_constraint(state: ServerState, schema: dict | None, param: str):

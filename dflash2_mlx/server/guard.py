@@ -1,8 +1,11 @@
 """ASGI middleware in front of every route: Host check, drain, auth, body limits, response counts.
 
 In order, a request is refused when its Host header is not a served name (DNS rebinding: a
-page on evil.example resolving to 127.0.0.1 must not reach the API) → 403; the server is
-draining for shutdown → 503 (/health answers that itself); the bearer key is wrong → 401.
+page on evil.example resolving to 127.0.0.1 must not reach the API) → 403; it changes state
+(not GET / HEAD / OPTIONS) and comes from a web page whose Origin is neither loopback, a served
+host nor a `--cors-origin` (a "simple" cross-origin POST needs no preflight, so any page the
+user visits could otherwise start generations here) → 403; the server is draining for
+shutdown → 503 (/health answers that itself); the bearer key is wrong → 401.
 A body is then read here, whole, before any route sees it: past `max_body_bytes` → 413
 however it is sent (Content-Length or chunked), not complete within `read_timeout` → 408.
 The route gets the buffered body, labelled as JSON whatever the client's Content-Type
@@ -20,6 +23,8 @@ from .errors import APIError, error_response
 
 PUBLIC_PATHS = frozenset({"/health"})
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+LOOPBACK = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 def host_name(value: bytes) -> str:
@@ -63,6 +68,7 @@ class Guard:
         self.expected = f"Bearer {key}".encode() if key else None
         self.hosts = state.config.host_names()
         self.any_host = "*" in self.hosts
+        self.origins = {o.lower().rstrip("/") for o in state.config.cors_origins}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -102,6 +108,11 @@ class Guard:
             name = host.decode("latin-1")
             return APIError(403, f"Host {name!r} is not served here (a DNS-rebinding guard); start the server "
                                  f"with --allowed-host {host_name(host)} to allow it", "host_not_allowed")
+        origin = headers.get(b"origin")
+        if origin is not None and scope["method"] not in SAFE_METHODS and not self._origin_allowed(origin):
+            name = origin.decode("latin-1")
+            return APIError(403, f"requests from the web page {name!r} are refused (Origin not allowed); start the "
+                                 f"server with --cors-origin {name} to allow that page", "origin_not_allowed")
         if not self.state.worker.accepting and scope["path"] not in PUBLIC_PATHS:
             return APIError(503, "server is shutting down", "server_shutting_down", headers={"Retry-After": "5"})
         if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
@@ -116,6 +127,17 @@ class Guard:
         if size is not None and (not size.isdigit() or int(size) > self.state.config.max_body_bytes):
             return self._too_large(size.decode(errors="replace"))
         return None
+
+    def _origin_allowed(self, origin: bytes) -> bool:
+        """Loopback pages, pages of a served host name, and the --cors-origin list ("*": any)."""
+        text = origin.decode("latin-1").strip().lower().rstrip("/")
+        if "*" in self.origins or text in self.origins:
+            return True
+        scheme, sep, rest = text.partition("://")
+        if not sep or scheme not in ("http", "https"):
+            return False  # "null" (file://, sandboxed frames), extensions' own schemes
+        host = host_name(rest.encode("latin-1"))
+        return host in LOOPBACK or (not self.any_host and host in self.hosts)
 
     def _too_large(self, size: str) -> APIError:
         limit = self.state.config.max_body_bytes

@@ -245,8 +245,13 @@ async def completions(body: CompletionRequest, request: Request, state: StateDep
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = _head(job, state, "text_completion", created)
 
+        emitted = [0]  # characters of the tokens streamed so far: text_offset runs across chunks
+
         def chunk(text, finish, lps=None):
-            return {"index": 0, "text": text, "logprobs": _completion_logprobs(state, lps), "finish_reason": finish}
+            logprobs = _completion_logprobs(state, lps, emitted[0])
+            if logprobs is not None:
+                emitted[0] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) if lps else emitted[0]
+            return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
         return _stream_response(state, job, _sse(job, chunk, lambda f: chunk("", f), include_usage, head))
     text, _ = await dispatch.collect(request, state, job)
