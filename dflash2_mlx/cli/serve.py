@@ -1,4 +1,4 @@
-"""`dflash2 serve`: a local OpenAI- and Ollama-compatible server over one model pair."""
+"""`dflash2 serve`: a local OpenAI-, Anthropic- and Ollama-compatible server over one model pair."""
 
 from __future__ import annotations
 
@@ -28,16 +28,33 @@ Examples:
 
   dflash2 serve --cors-origin http://localhost:3000   # a browser front-end on another port
 
-  Routes: POST /v1/chat/completions, /v1/completions, /api/chat, /api/generate, /api/show;
-  GET /v1/models, /api/tags, /api/ps, /api/version, /health (no auth), /metrics (Prometheus),
-  /docs (API reference, works offline).
+  Claude Code (Anthropic Messages API), against `dflash2 serve qwen2.5-coder-0.5b`:
+    ANTHROPIC_BASE_URL=http://127.0.0.1:8000 ANTHROPIC_API_KEY=local \
+    ANTHROPIC_MODEL=qwen2.5-coder-0.5b ANTHROPIC_DEFAULT_HAIKU_MODEL=qwen2.5-coder-0.5b \
+    ANTHROPIC_DEFAULT_SONNET_MODEL=qwen2.5-coder-0.5b ANTHROPIC_DEFAULT_OPUS_MODEL=qwen2.5-coder-0.5b \
+    DISABLE_TELEMETRY=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 claude
+
+  Codex (OpenAI Responses API), in ~/.codex/config.toml:
+    model = "qwen2.5-coder-0.5b"
+    model_provider = "dflash2"
+    web_search = "disabled"          # a hosted tool: it cannot run on a local server
+    \\[model_providers.dflash2]
+    name = "dflash2"
+    base_url = "http://127.0.0.1:8000/v1"
+    wire_api = "responses"
+
+  Routes: POST /v1/chat/completions, /v1/completions, /v1/responses (OpenAI), /v1/messages,
+  /v1/messages/count_tokens (Anthropic), /api/chat, /api/generate, /api/show (Ollama);
+  GET /v1/models, /v1/models/{model}, /v1/responses/{id}, /api/tags, /api/ps, /api/version,
+  /health (no auth), /metrics (Prometheus), /docs (API reference, works offline).
 """
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def register(app: typer.Typer) -> None:
-    app.command("serve", help="Serve a model pair over the OpenAI and Ollama HTTP APIs." + EXAMPLES)(serve)
+    app.command("serve", help="Serve a model pair over the OpenAI, Anthropic and Ollama HTTP APIs."
+                + EXAMPLES)(serve)
 
 
 @user_errors
@@ -51,10 +68,13 @@ def serve(
                                                    help="Require 'Authorization: Bearer KEY' on every route "
                                                         "but /health.")] = None,
     max_concurrency: Annotated[int, typer.Option("--max-concurrency", min=1,
-                                                 help="Requests admitted at once (one generates, the rest wait "
-                                                      "in FIFO order); more get 429 + Retry-After.")] = 64,
+                                                 help="Requests admitted at once: up to --max-batch decode "
+                                                      "together in one speculative batch, the rest wait in "
+                                                      "FIFO order; more get 429 + Retry-After.")] = 64,
     max_tokens_cap: Annotated[int, typer.Option("--max-tokens-cap", min=1,
-                                                help="Largest max_tokens a request may ask for.")] = 4096,
+                                                help="Largest max_tokens a request may ask for (the "
+                                                     "OpenAI and Ollama routes refuse more; /v1/messages "
+                                                     "clamps to it, as Claude Code asks for 32k-128k).")] = 4096,
     max_prompt_tokens: Annotated[Optional[int], typer.Option("--max-prompt-tokens", min=1,
                                                              help="Longest prompt in tokens. Default: the "
                                                                   "model's context length.")] = None,

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 VOCAB = "models/smollm2-135m-dflash2/proposal_vocab.json"
-BASE = (f"--arch dflash2 --layers 2 --block-size 8 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd "
+BASE = (f"--arch dflash2 --layers 2 --block-size 8 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd --mask-token-id 16 "
         f"--train-vocab {VOCAB} --train-vocab-size 8192 --taps 1,8,14,20,27")
 ARMS = {
     "base": "",
