@@ -53,9 +53,11 @@ def test_a_streamed_tool_call_arrives_as_a_tool_calls_delta(client):
         calls.extend(delta.tool_calls or [])
         finish = chunk.choices[0].finish_reason or finish
     assert content == "" and finish == "tool_calls"
-    [call] = calls
-    assert call.index == 0 and call.function.name == CALL["name"]
-    assert json.loads(call.function.arguments) == CALL["arguments"]
+    first, *more = calls  # the id and name first, then the arguments as they are written
+    assert first.index == 0 and first.id.startswith("call_") and first.function.name == CALL["name"]
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in more)
+    arguments = first.function.arguments + "".join(d.function.arguments for d in more)
+    assert json.loads(arguments) == CALL["arguments"]
 
 
 def test_without_tools_the_markup_is_plain_content(client):
@@ -99,8 +101,8 @@ def test_tool_choice_required_and_named_are_forced_by_the_grammar(client):
                                             tool_choice={"type": "function", "function": {"name": "other"}},
                                             stream=True)
     streamed = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [tc.function.name for tc in streamed] == ["other"]
-    assert streamed[0].function.arguments == call.function.arguments
+    assert [tc.function.name for tc in streamed if tc.function.name] == ["other"]
+    assert json.loads("".join(tc.function.arguments for tc in streamed)) == json.loads(call.function.arguments)
 
 
 @pytest.mark.parametrize("body, status, words", [
@@ -227,3 +229,54 @@ def test_anthropic_bad_tool_input_is_a_400(server, body, words):
     assert reply.status == 400, reply.text
     err = reply.json()
     assert err["type"] == "error" and words in err["error"]["message"]
+
+
+def _stream_events(parser, start, end, text: str, step: int = 1, parallel: bool = True):
+    from types import SimpleNamespace
+
+    from dflash2_mlx.server.tools import CallCollector, CallEvent
+
+    tok = SimpleNamespace(tool_call_start=start, tool_call_end=end, tool_parser=parser)
+    collector = CallCollector.__new__(CallCollector)
+    from dflash2_mlx.server.tools import ToolCallStream
+
+    collector.stream, collector.bare, collector.parallel, collector.calls = ToolCallStream(tok, TOOLS), None, parallel, []
+    items = []
+    for i in range(0, len(text), step):
+        items += collector.events(text[i : i + step])
+    items += collector.finish_events()
+    return items, [i for i in items if isinstance(i, CallEvent)], collector
+
+
+def test_json_call_arguments_stream_as_they_are_written():
+    from mlx_lm.tool_parsers import json_tools
+
+    args = {"path": "a.py", "content": "print(1)\n" * 20}
+    body = json.dumps({"name": "write_file", "arguments": args})
+    text = f"Writing it.<tool_call>{body}</tool_call>Done."
+    items, events, collector = _stream_events(json_tools.parse_tool_call, "<tool_call>", "</tool_call>", text)
+    assert [i for i in items if isinstance(i, str)] and "".join(i for i in items if isinstance(i, str)) == \
+        "Writing it.Done."
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("start") == 1 and kinds.count("args") > 50
+    assert events[0].call.name == "write_file" and events[0].call is events[-1].call
+    streamed = "".join(e.delta for e in events if e.kind == "args")
+    assert json.loads(streamed) == args == events[-1].call.arguments == collector.calls[0].arguments
+    start = next(i for i, e in enumerate(items) if not isinstance(e, str))
+    assert items[:start] == list("Writing it.")  # text before the call comes first, in order
+
+
+def test_calls_without_streamable_arguments_arrive_whole_and_bad_ones_stay_text():
+    from mlx_lm.tool_parsers import json_tools, qwen3_coder
+
+    xml = "<tool_call><function=weather><parameter=city>Paris</parameter></function></tool_call>"
+    _, events, _ = _stream_events(qwen3_coder.parse_tool_call, "<tool_call>", "</tool_call>", xml, step=3)
+    assert [e.kind for e in events] == ["start", "args", "end"]
+    assert json.loads(events[1].delta) == {"city": "Paris"} == events[2].call.arguments
+    items, events, _ = _stream_events(json_tools.parse_tool_call, "<tool_call>", "</tool_call>",
+                                      "<tool_call>not json</tool_call>")
+    assert events == [] and "".join(items) == "<tool_call>not json</tool_call>"
+    two = "".join(f"<tool_call>{json.dumps({'name': n, 'arguments': {}})}</tool_call>" for n in ("a", "b"))
+    _, events, collector = _stream_events(json_tools.parse_tool_call, "<tool_call>", "</tool_call>", two,
+                                          parallel=False)
+    assert {e.call.name for e in events} == {"a"} and [c.name for c in collector.calls] == ["a"]

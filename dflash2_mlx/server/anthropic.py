@@ -182,15 +182,15 @@ def _event(name: str, data: dict) -> dict:
 
 
 async def _events(state: ServerState, job: Job, calls):
-    """Named SSE events; text streams into a text block, each tool call is a tool_use block
-    (its input as one input_json_delta)."""
+    """Named SSE events; text streams into a text block, each tool call is a tool_use block whose
+    input streams as input_json_delta pieces as the model writes them."""
     yield _event("message_start", {"message": _message(job, state, [], final=False)})
     blocks = _Blocks()
     try:
         async for event in job.events():
-            for e in blocks.feed(*calls.feed(event.text)):
+            for e in blocks.feed(calls.events(event.text)):
                 yield e
-        for e in blocks.feed(*calls.finish()):
+        for e in blocks.feed(calls.finish_events()):
             yield e
     except JobFailed as e:
         yield {"event": "error", "data": json.dumps(error_body("/v1/messages", dispatch.failure_error(e)))}
@@ -225,16 +225,22 @@ class _Blocks:
         if text:
             yield _event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": text}})
 
-    def feed(self, text: str, new_calls: list):
-        if text:
-            yield from self.text(text)
-        for call in new_calls:
-            yield from self.close()
-            self.index, self.open = self.index + 1, "tool_use"
-            block = _tool_use(call)
-            yield _event("content_block_start", {"index": self.index, "content_block": {**block, "input": {}}})
-            yield _event("content_block_delta", {"index": self.index, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"], ensure_ascii=False)}})
+    def feed(self, items: list):
+        """Text and `CallEvent`s, in order: a call's start opens its tool_use block, its argument
+        pieces are input_json_delta events, its end closes the block."""
+        for item in items:
+            if isinstance(item, str):
+                yield from self.text(item)
+            elif item.kind == "start":
+                yield from self.close()
+                self.index, self.open = self.index + 1, "tool_use"
+                yield _event("content_block_start", {"index": self.index,
+                                                     "content_block": {**_tool_use(item.call), "input": {}}})
+            elif item.kind == "args" and item.delta:
+                yield _event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "input_json_delta", "partial_json": item.delta}})
+            elif item.kind == "end":
+                yield from self.close()
 
 
 @router.post("/messages", summary="Messages (Anthropic)")

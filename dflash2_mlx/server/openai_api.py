@@ -107,16 +107,18 @@ async def _sse(job: Job, chunk, final, include_usage: bool, head: dict, calls=No
     try:
         async for event in job.events():
             finish = event.finish_reason or finish
-            text, new = calls.feed(event.text) if calls is not None else (event.text, [])
+            items = calls.events(event.text) if calls is not None else [event.text]
+            text = "".join(i for i in items if isinstance(i, str))
             if text or event.logprobs:
                 yield json.dumps({**head, "choices": [chunk(text, None, event.logprobs)]})
-            for delta in calls.deltas(new) if new else ():
+            for delta in calls.deltas(items) if calls is not None else ():
                 yield json.dumps({**head, "choices": [delta]})
         if calls is not None:
-            text, new = calls.finish()
+            items = calls.finish_events()
+            text = "".join(i for i in items if isinstance(i, str))
             if text:
                 yield json.dumps({**head, "choices": [chunk(text, None)]})
-            for delta in calls.deltas(new) if new else ():
+            for delta in calls.deltas(items):
                 yield json.dumps({**head, "choices": [delta]})
     except JobFailed as e:
         yield json.dumps(error_body("/v1", dispatch.failure_error(e)))

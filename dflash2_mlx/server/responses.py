@@ -284,6 +284,7 @@ class _Run:
     def __init__(self, state, body, job, calls, spaces, messages):
         self.state, self.body, self.job, self.calls, self.spaces = state, body, job, calls, spaces
         self.messages, self.created, self.seq = messages, int(time.time()), 0
+        self.open_calls: dict[str, tuple[int, list[str]]] = {}  # call id -> (output index, argument pieces)
 
     def finish(self, output: list) -> dict:
         response = _response(self.state, self.body, self.job, self.created, _status(self.job), output)
@@ -311,15 +312,17 @@ class _Run:
         text = _OpenText()
         try:
             async for event in job.events():
-                shown, new = self.calls.feed(event.text)
-                for e in self._text(output, text, shown, event.logprobs):
+                items = self.calls.events(event.text)
+                shown = "".join(i for i in items if isinstance(i, str))
+                if shown or event.logprobs:  # text precedes a call opened by the same event
+                    for e in self._text(output, text, shown, event.logprobs):
+                        yield e
+                for e in self._calls(output, text, items):
                     yield e
-                for e in self._calls(output, text, new):
-                    yield e
-            shown, new = self.calls.finish()
-            for e in self._text(output, text, shown, None):
+            items = self.calls.finish_events()
+            for e in self._text(output, text, "".join(i for i in items if isinstance(i, str)), None):
                 yield e
-            for e in self._calls(output, text, new):
+            for e in self._calls(output, text, items):
                 yield e
         except JobFailed as e:
             error = dispatch.failure_error(e)
@@ -364,19 +367,30 @@ class _Run:
         yield self._event("response.output_item.done", output_index=text.index, item=output[text.index])
         text.id = None
 
-    def _calls(self, output, text, new: list):
-        for call in new:
-            for e in self._close_text(output, text):
-                yield e
-            index, item = len(output), _call_item(call, self.spaces)
-            output.append(item)
-            yield self._event("response.output_item.added", output_index=index,
-                              item=_call_item(call, self.spaces, "in_progress", ""))
-            yield self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                              delta=item["arguments"])
-            yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                              arguments=item["arguments"])
-            yield self._event("response.output_item.done", output_index=index, item=item)
+    def _calls(self, output, text, items: list):
+        """Function-call items from `CallEvent`s: added at the start, arguments as they stream, done."""
+        for e in items:
+            if isinstance(e, str):
+                continue
+            if e.kind == "start":
+                for ev in self._close_text(output, text):
+                    yield ev
+                self.open_calls[e.call.id] = (len(output), [])
+                output.append(_call_item(e.call, self.spaces, "in_progress", ""))
+                yield self._event("response.output_item.added", output_index=len(output) - 1, item=output[-1])
+                continue
+            index, parts = self.open_calls[e.call.id]
+            item_id = output[index]["id"]
+            if e.kind == "args" and e.delta:
+                parts.append(e.delta)
+                yield self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
+                                  delta=e.delta)
+            elif e.kind == "end":
+                arguments = "".join(parts)
+                yield self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                  arguments=arguments)
+                output[index] = _call_item(e.call, self.spaces, arguments=arguments)
+                yield self._event("response.output_item.done", output_index=index, item=output[index])
 
 
 class _OpenText:

@@ -2,9 +2,13 @@
 
 The model's tokenizer (mlx-lm's `TokenizerWrapper`) knows its tool-call markers and parser
 (`has_tool_calling`, `tool_call_start` / `tool_call_end`, `tool_parser`), inferred from the chat
-template. `ToolCallStream` splits the generated text into plain content and tool calls as it
-streams: text between the markers is held back and parsed when the end marker arrives (or
-when generation stops inside a call). The API modules shape the calls into their own formats.
+template. `ToolCallStream` splits the generated text into plain content and tool-call events
+as it streams: text between the markers is parsed when the end marker arrives (or when
+generation stops inside a call). In the JSON call format (`{"name": ..., "arguments": ...}`,
+Qwen2.5 / Hermes) a call is announced as soon as its name is written and its arguments stream
+as the model writes them (`CallEvent` start / args / end), so a long `write_file` call shows
+progress; other formats deliver a call whole when it closes. The API modules shape the events
+into their own formats.
 """
 
 from __future__ import annotations
@@ -29,6 +33,21 @@ class ToolCall:
     def openai(self, index: int) -> dict:
         return {"index": index, "id": self.id, "type": "function",
                 "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass
+class CallEvent:
+    """A step of a tool call as it streams: `start` (name known), `args` (`delta`: more of the
+    arguments' JSON text; all deltas of a call join into its arguments), `end` (arguments set)."""
+
+    kind: str
+    call: ToolCall
+    index: int  # the call's number in the reply
+    delta: str = ""
+
+
+_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
+_JSON_TAIL = re.compile(r'\s*(\}\s*)?$')  # the call object's own closing brace, held back
 
 
 def check_tools(tools: list[dict], param: str = "tools") -> list[dict]:
@@ -130,49 +149,94 @@ def template_messages(messages: list[dict], param: str = "messages") -> list[dic
 
 
 class ToolCallStream:
-    """Feed generated text; get back (content to show now, finished tool calls)."""
+    """Feed generated text; get back, in order, content to show now and `CallEvent`s."""
 
     def __init__(self, tokenizer, tools: list[dict]):
         self.start, self.end = tokenizer.tool_call_start, tokenizer.tool_call_end
         self.parser, self.tools = tokenizer.tool_parser, tools
         self.pending = ""  # text that may be the start of a marker
-        self.inside: str | None = None  # text of the call being generated
-        self.calls: list[ToolCall] = []
+        self.inside = False  # between a call's markers
+        self.live: ToolCall | None = None  # the call whose arguments are streaming
+        self.args_at, self.sent = 0, 0  # where its arguments start in the body; characters sent
+        self.count = 0  # calls announced
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> list:
         self.pending += text
-        shown, done = [], []
+        out: list = []
         while True:
-            if self.inside is None:
+            if not self.inside:
                 at = self.pending.find(self.start)
                 if at < 0:
                     keep = _partial_suffix(self.pending, self.start)
-                    shown.append(self.pending[: len(self.pending) - keep])
+                    _text(out, self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     break
-                shown.append(self.pending[:at])
-                self.pending, self.inside = self.pending[at + len(self.start) :], ""
+                _text(out, self.pending[:at])
+                self.pending, self.inside = self.pending[at + len(self.start) :], True
             else:
                 at = self.pending.find(self.end) if self.end else -1
                 if at < 0:
+                    out += self._progress(self.pending[: len(self.pending) - _partial_suffix(self.pending, self.end)])
                     break
-                body = self.inside + self.pending[:at]
-                calls = self._parse(body)
-                if calls is None:  # unparseable: shown as the text it is, not dropped
-                    shown.append(self.start + body + self.end)
-                done.extend(calls or [])
-                self.pending, self.inside = self.pending[at + len(self.end) :], None
-        return "".join(shown), done
+                out += self._close(self.pending[:at], self.start + self.pending[:at] + self.end)
+                self.pending, self.inside = self.pending[at + len(self.end) :], False
+        return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> list:
         """At the end of generation: a call without its end marker is parsed as it stands."""
-        if self.inside is not None:
-            body = self.inside + self.pending
-            calls = self._parse(body)
-            self.pending, self.inside = "", None
-            return ("", calls) if calls is not None else (self.start + body, [])
+        if self.inside:
+            body, self.pending, self.inside = self.pending, "", False
+            return self._close(body, self.start + body)
         rest, self.pending = self.pending, ""
-        return rest, []
+        return [rest] if rest else []
+
+    def _progress(self, body: str) -> list:
+        """Events for a call still being written: its start once the name is known, then arguments."""
+        out: list = []
+        if self.live is None:
+            head = _JSON_HEAD.match(body)
+            if head is None:
+                return out
+            self.live, self.args_at, self.sent = ToolCall(head.group(1), {}), head.end(), 0
+            out.append(CallEvent("start", self.live, self._announce()))
+        args = body[self.args_at :]
+        safe = _JSON_TAIL.search(args).start()
+        if safe > self.sent:
+            out.append(CallEvent("args", self.live, self.count - 1, args[self.sent : safe]))
+            self.sent = safe
+        return out
+
+    def _close(self, body: str, raw: str) -> list:
+        """Events for a finished call body: the live call's rest and end, then any further calls."""
+        calls = self._parse(body)
+        out: list = []
+        live, self.live = self.live, None
+        if calls is None:
+            if live is None:  # unparseable: shown as the text it is, not dropped
+                return [raw]
+            calls = [ToolCall(live.name, {"_raw": body[self.args_at :]})]
+        for i, call in enumerate(calls):
+            if i == 0 and live is not None and call.name == live.name:
+                live.arguments = call.arguments
+                tail = body[self.args_at :]
+                tail = tail[: _JSON_TAIL.search(tail).start()]
+                if "_raw" in call.arguments or _loads(tail) != call.arguments:
+                    tail = json.dumps(call.arguments, ensure_ascii=False)[self.sent :] if self.sent == 0 else ""
+                else:
+                    tail = tail[self.sent :]
+                if tail:
+                    out.append(CallEvent("args", live, self.count - 1, tail))
+                out.append(CallEvent("end", live, self.count - 1))
+                continue
+            index = self._announce()
+            out += [CallEvent("start", call, index),
+                    CallEvent("args", call, index, json.dumps(call.arguments, ensure_ascii=False)),
+                    CallEvent("end", call, index)]
+        return out
+
+    def _announce(self) -> int:
+        self.count += 1
+        return self.count - 1
 
     def _parse(self, text: str) -> list[ToolCall] | None:
         """The calls in `text`, or None when the parser cannot read what the model wrote."""
@@ -191,8 +255,19 @@ class ToolCallStream:
                 except json.JSONDecodeError:
                     args = {"_raw": args}
             calls.append(ToolCall(str(item.get("name")), args if isinstance(args, dict) else {"value": args}))
-        self.calls.extend(calls)
         return calls
+
+
+def _text(out: list, text: str) -> None:
+    if text:
+        out.append(text)
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
 
 
 _BARE_START = re.compile(r'\s*(```json\s*)?(\[\s*)?\{\s*"name"\s*:')
@@ -243,7 +318,11 @@ class BareCalls:
 
 class CallCollector:
     """Splits a reply into content and tool calls (a pass-through when the request has no tools);
-    with parallel_tool_calls false only the first call is kept."""
+    with parallel_tool_calls false only the first call is kept.
+
+    `events` / `finish_events` give the reply in order, as text and `CallEvent`s (for streams);
+    `feed` / `finish` give (content, finished calls) (for whole replies). `calls` collects the
+    finished calls either way."""
 
     def __init__(self, tokenizer, tool_list: list[dict] | None, parallel: bool = True):
         from .tool_grammar import call_format
@@ -253,37 +332,62 @@ class CallCollector:
         self.bare = BareCalls(tool_names(tool_list)) if json_calls else None
         self.parallel, self.calls = parallel, []
 
-    def _keep(self, new: list) -> list:
-        if not self.parallel:
-            new = new[: max(0, 1 - len(self.calls))]
-        self.calls.extend(new)
-        return new
+    def _keep(self, items: list) -> list:
+        out = []
+        for item in items:
+            if isinstance(item, CallEvent):
+                if not self.parallel and item.index > 0:
+                    continue
+                if item.kind == "end":
+                    self.calls.append(item.call)
+            out.append(item)
+        return out
+
+    def events(self, text: str) -> list:
+        if self.stream is None:
+            return [text] if text else []
+        return self._keep(self.stream.feed(self.bare.feed(text) if self.bare else text))
+
+    def finish_events(self) -> list:
+        if self.stream is None:
+            return []
+        items = []
+        if self.bare is not None:
+            held, bare_calls = self.bare.finish()
+            for call in bare_calls:
+                index = self.stream._announce()
+                items += [CallEvent("start", call, index),
+                          CallEvent("args", call, index, json.dumps(call.arguments, ensure_ascii=False)),
+                          CallEvent("end", call, index)]
+            items += self.stream.feed(held)
+        return self._keep(items + self.stream.finish())
 
     def feed(self, text: str) -> tuple[str, list]:
-        if self.stream is None:
-            return text, []
-        shown, new = self.stream.feed(self.bare.feed(text) if self.bare else text)
-        return shown, self._keep(new)
+        return _split(self.events(text))
 
     def finish(self) -> tuple[str, list]:
-        if self.stream is None:
-            return "", []
-        shown, new = "", []
-        if self.bare is not None:
-            held, new = self.bare.finish()
-            shown, more = self.stream.feed(held)
-            new = [*new, *more]
-        rest, more = self.stream.finish()
-        return shown + rest, self._keep([*new, *more])
+        return _split(self.finish_events())
 
     def finish_reason(self, reason: str | None) -> str | None:
         return "tool_calls" if self.calls and reason == "stop" else reason
 
-    def deltas(self, new: list) -> list[dict]:
-        """OpenAI stream choices, one per new call."""
-        first = len(self.calls) - len(new)
-        return [{"index": 0, "delta": {"tool_calls": [c.openai(first + i)]}, "logprobs": None, "finish_reason": None}
-                for i, c in enumerate(new)]
+    def deltas(self, items: list) -> list[dict]:
+        """OpenAI stream choices for call events: the call's id and name first, then argument pieces."""
+        out = []
+        for e in items:
+            if not isinstance(e, CallEvent) or e.kind == "end":
+                continue
+            call = ({"index": e.index, "id": e.call.id, "type": "function",
+                     "function": {"name": e.call.name, "arguments": ""}} if e.kind == "start"
+                    else {"index": e.index, "function": {"arguments": e.delta}})
+            out.append({"index": 0, "delta": {"tool_calls": [call]}, "logprobs": None, "finish_reason": None})
+        return out
+
+
+def _split(items: list) -> tuple[str, list]:
+    """(the text of `items`, the calls they finish)."""
+    return ("".join(i for i in items if isinstance(i, str)),
+            [i.call for i in items if isinstance(i, CallEvent) and i.kind == "end"])
 
 
 def _partial_suffix(text: str, marker: str) -> int:
