@@ -241,6 +241,7 @@ def _stream_events(parser, start, end, text: str, step: int = 1, parallel: bool 
     from dflash2_mlx.server.tools import ToolCallStream
 
     collector.stream, collector.bare, collector.parallel, collector.calls = ToolCallStream(tok, TOOLS), None, parallel, []
+    collector.forced = False
     items = []
     for i in range(0, len(text), step):
         items += collector.events(text[i : i + step])
@@ -280,3 +281,15 @@ def test_calls_without_streamable_arguments_arrive_whole_and_bad_ones_stay_text(
     _, events, collector = _stream_events(json_tools.parse_tool_call, "<tool_call>", "</tool_call>", two,
                                           parallel=False)
     assert {e.call.name for e in events} == {"a"} and [c.name for c in collector.calls] == ["a"]
+
+
+def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(client):
+    for n in (1, 2, 3, 5):
+        reply = client.chat.completions.create(model=NAME, messages=ASK, tools=[*TOOLS, OTHER], max_tokens=n,
+                                               tool_choice="required")
+        choice = reply.choices[0]
+        assert not choice.message.content, (n, choice.message.content)  # never "\n\n<tool_call>..."
+        for call in choice.message.tool_calls or ():  # a call that closed within the limit is kept whole
+            assert json.loads(call.function.arguments) in (CALL["arguments"], {})
+        if n == 1:
+            assert choice.finish_reason == "length" and not choice.message.tool_calls

@@ -256,7 +256,7 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
     params = dispatch.sampling(state, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages",
                           constraint=constraint)
-    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel)
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel, forced=choice not in ("auto", "none"))
     if body.stream:
         return EventSourceResponse(dispatch.guarded(state, job, _events(state, job, calls)), sep="\n",
                                    shutdown_grace_period=state.config.shutdown_timeout, headers=headers)

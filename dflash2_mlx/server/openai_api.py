@@ -189,7 +189,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
         constraint = await tools.forced_call_constraint(state, tool_list, choice, body.parallel_tool_calls is not False)
     job = _prepare(state, body, ids, "chat", (body.top_logprobs or 0) if body.logprobs else None, constraint)
     created = int(time.time())
-    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, body.parallel_tool_calls is not False)
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, body.parallel_tool_calls is not False,
+                                forced=choice not in ("auto", "none"))
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = _head(job, state, "chat.completion.chunk", created)

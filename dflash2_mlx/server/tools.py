@@ -322,19 +322,23 @@ class CallCollector:
 
     `events` / `finish_events` give the reply in order, as text and `CallEvent`s (for streams);
     `feed` / `finish` give (content, finished calls) (for whole replies). `calls` collects the
-    finished calls either way."""
+    finished calls either way. `forced` (tool_choice required / a named tool): the grammar lets
+    the model write only calls and the whitespace around them, so no text is content, and a
+    call cut short by max_tokens is dropped rather than shown as its markup."""
 
-    def __init__(self, tokenizer, tool_list: list[dict] | None, parallel: bool = True):
+    def __init__(self, tokenizer, tool_list: list[dict] | None, parallel: bool = True, forced: bool = False):
         from .tool_grammar import call_format
 
         self.stream = ToolCallStream(tokenizer, tool_list) if tool_list else None
         json_calls = tool_list and call_format(tokenizer) == "json_tools"
         self.bare = BareCalls(tool_names(tool_list)) if json_calls else None
-        self.parallel, self.calls = parallel, []
+        self.parallel, self.forced, self.calls = parallel, forced and bool(tool_list), []
 
     def _keep(self, items: list) -> list:
         out = []
         for item in items:
+            if isinstance(item, str) and self.forced:
+                continue
             if isinstance(item, CallEvent):
                 if not self.parallel and item.index > 0:
                     continue
