@@ -106,3 +106,15 @@ def test_the_sdk_with_claude_codes_fields(server):
         final = stream.get_final_message()
     assert final.content[-1].type == "tool_use" and final.content[-1].input == CALL["arguments"]
     assert json.loads(json.dumps(final.usage.model_dump()))["output_tokens"] > 0
+
+
+def test_the_request_log_has_a_line_per_request(tmp_path_factory):
+    pair = save_tool_pair(tmp_path_factory.mktemp("toolpair2"))
+    log_file = tmp_path_factory.mktemp("rl") / "requests.jsonl"
+    with ServerProcess(*pair, "--request-log", str(log_file), log_path=log_file.with_suffix(".log")) as proc:
+        request(proc.url, "POST", "/v1/messages", claude_body(max_tokens=8))
+        request(proc.url, "POST", "/v1/responses", {"model": NAME, "input": "hi", "max_output_tokens": 4})
+    lines = [json.loads(x) for x in log_file.read_text().splitlines()]
+    assert [x["endpoint"] for x in lines] == ["messages", "responses"]
+    assert all(x["outcome"] == "completed" and x["prompt_n"] > 0 and "cache_n" in x and x["prompt_ms"] > 0
+               for x in lines)

@@ -114,6 +114,10 @@ def serve(
                                                          "conversations, so a request resending a history "
                                                          "prefills only what is new (e.g. 4GiB, 512MB; 0 turns "
                                                          "it off).")] = "2GiB",
+    request_log: Annotated[Optional[str], typer.Option("--request-log", metavar="FILE",
+                                                       help="Append one JSON line per finished request: "
+                                                            "endpoint, prompt and cached tokens, time to first "
+                                                            "token, decode rate, tokens per cycle.")] = None,
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
@@ -130,7 +134,7 @@ def serve(
                           default_temperature=temp, shutdown_timeout=shutdown_timeout, log_level=log_level,
                           max_connections=max_connections, read_timeout=read_timeout, prefill_chunk=prefill_chunk,
                           prompt_cache_bytes=parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes"),
-                          max_batch=max_batch,
+                          max_batch=max_batch, request_log=request_log,
                           allowed_hosts=tuple(allowed_host or ()), cors_origins=tuple(cors_origin or ()))
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
         typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "

@@ -50,6 +50,8 @@ class ServerConfig:
         prompt_cache_bytes: bytes of reusable prompt caches kept between requests (the prefix
             cache; 0 turns it off).
         max_batch: most requests decoding together while another runs solo (1: one at a time).
+        request_log: a JSON-lines file that gets one line per finished request (endpoint, prompt
+            and cached tokens, time to first token, decode rate, tokens per cycle), or None.
     """
 
     host: str = DEFAULT_HOST
@@ -70,6 +72,7 @@ class ServerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     max_batch: int = DEFAULT_MAX_BATCH
+    request_log: str | None = None
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:

@@ -96,7 +96,7 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     drafter = getattr(session.spec, "drafter", None) if session.drafter is not None else None
     pool = PromptCachePool(session.prompt_cache, config.prompt_cache_bytes)
     metrics = Metrics({"model": name, "drafter": public_name(drafter) if drafter else "none", "version": __version__},
-                      prompt_caches=pool)
+                      prompt_caches=pool, request_log=config.request_log)
     worker = GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk,
                               pool if pool.enabled else None, config.max_batch)
     return ServerState(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import math
+import json
 import threading
 import time
 from collections import Counter
@@ -41,8 +42,9 @@ def _number(value: float) -> str:
 class Metrics:
     """Counters for requests, tokens, speculation (τ) and the queue."""
 
-    def __init__(self, info: dict | None = None, prompt_caches=None):
+    def __init__(self, info: dict | None = None, prompt_caches=None, request_log: str | None = None):
         self._lock = threading.Lock()
+        self.request_log = request_log  # a JSON-lines file: one line per finished job, or None
         self.prompt_caches = prompt_caches  # a PromptCachePool, whose own counters are read at render
         self.info = dict(info or {})
         self.started = time.time()
@@ -155,6 +157,11 @@ class Metrics:
             self.generation_seconds += s.predicted_ms / 1e3
             self.queue_wait_seconds += s.queued_ms / 1e3
             self.max_events_after_cancel = max(self.max_events_after_cancel, s.events_after_cancel)
+        if self.request_log:
+            line = {"time": round(time.time(), 3), "id": job.id, "endpoint": job.endpoint, "outcome": outcome,
+                    "queued_ms": round(s.queued_ms, 1), "finish_reason": s.finish_reason, **s.timings()}
+            with open(self.request_log, "a") as f:
+                f.write(json.dumps(line) + "\n")
 
     # -- reads ----------------------------------------------------------------------
 
