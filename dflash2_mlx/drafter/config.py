@@ -6,7 +6,9 @@ Schemas (dflash-algorithm.md §1.8, §2.1):
 * current: `dflash_config{...}` and `rope_parameters{rope_theta, rope_type}`.
 Architectures: `DFlashDraftModel` (v1), `DFlash2DraftModel` (v2),
 `MuseGlimmerAssistantModel` (Meta's v1 variant, in-block attention never causal).
-Unknown `dflash_config` keys are rejected: several runtimes silently ignored them.
+Unknown `dflash_config` keys are rejected: several runtimes silently ignored them. Keys that only
+training uses (`num_anchors`, `loss_decay_gamma`, `backbone_rotary_base`) are accepted and mean
+nothing here; keys that would change inference and are not implemented are refused by name.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ _DFLASH_KEYS = {
     "conv_group_size", "selector_rank", "selector_top_k", "final_logit_softcapping",
     "output_multiplier", "input_embedding_scale", "use_swa",
 }
+_TRAINING_ONLY_KEYS = {"num_anchors", "loss_decay_gamma", "backbone_rotary_base"}
+_UNSUPPORTED_KEYS = {"swa_window_size", "attention_sink_bias", "attention_value_scale"}
 _REQUIRED = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "rms_norm_eps", "vocab_size",
@@ -130,7 +134,11 @@ def _causal(cfg: dict, dflash: dict, arch: str, types: tuple[str, ...]) -> tuple
 def parse_config(cfg: dict) -> DrafterConfig:
     """Turn a drafter `config.json` dict (either schema) into a `DrafterConfig`."""
     arch = _architecture(cfg)
-    dflash = dict(cfg.get("dflash_config") or {})
+    dflash = {k: v for k, v in (cfg.get("dflash_config") or {}).items() if k not in _TRAINING_ONLY_KEYS}
+    refused = sorted(set(dflash) & _UNSUPPORTED_KEYS)
+    if refused:
+        raise ConfigError(f"dflash_config {', '.join(refused)} would change how the drafter runs, which this "
+                          "runtime does not implement; refusing rather than ignoring")
     unknown = set(dflash) - _DFLASH_KEYS
     if unknown:
         raise ConfigError(f"unknown dflash_config keys {sorted(unknown)}; refusing to guess their meaning")

@@ -188,8 +188,21 @@ def published_config(config: DrafterConfig, extra: dict | None = None) -> dict:
         out["sliding_window"] = c.sliding_window
     if out["is_causal"] is None:
         del out["is_causal"]
+    out.update(_interop_fields(c))
     out.update(extra or {})
+    if "torch_dtype" in out:
+        out.setdefault("dtype", out["torch_dtype"])  # transformers >= 4.56 reads `dtype`
     return out
+
+
+def _interop_fields(c: DrafterConfig) -> dict:
+    """Fields the GPU servers and converters read (interop.md §1): without `use_sliding_window`
+    transformers' Qwen3 config drops `sliding_window` and SGLang / vLLM refuse sliding layers;
+    llama.cpp's converter and exo read the top-level `block_size` / `rope_theta`."""
+    sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
+    return {"use_sliding_window": bool(sliding), "max_window_layers": sliding[0] if sliding else c.num_hidden_layers,
+            "block_size": c.block_size, "rope_theta": c.rope_theta, "hidden_act": "silu",
+            "attention_bias": False}
 
 
 def save_drafter(model: Drafter, out_dir: str | os.PathLike, extra_config: dict | None = None) -> Path:

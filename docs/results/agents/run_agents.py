@@ -1,0 +1,216 @@
+"""Real coding agents against a real `dflash2 serve`: Claude Code (Messages API), Codex (Responses
+API) and the OpenAI Agents SDK (Responses API, a function tool), each with and without a drafter.
+
+For each server setting (`--drafter` values) it starts `dflash2 serve MODEL --request-log ...`,
+then runs, in a scratch working directory holding `notes.txt`:
+
+* Claude Code: `claude -p PROMPT1 --output-format json`, then `claude -p PROMPT2 --continue`;
+* Codex: `codex exec PROMPT` (it must read notes.txt with its shell tool to answer);
+* the Agents SDK: an agent with one function tool (`read_notes`) asked the same question.
+
+It prints a table per client and turn (prompt tokens, cached share, time to first token, decode
+tok/s, τ) from the server's request log, checks every client finished (exit 0 / an answer), and
+that greedy replies are equal with and without the drafter. Writes JSON with `--json`.
+
+    python docs/results/agents/run_agents.py --model qwen2.5-coder-0.5b --drafters none,PATH \\
+        --bin /work/agents/node_modules/.bin --json docs/results/agents/agents.json
+
+Telemetry is off for both CLIs (DISABLE_TELEMETRY, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC,
+Codex `[analytics] enabled = false`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+SECRET = "violet-harbor-42"
+NOTES = f"Project notes\nThe deploy codename is {SECRET}.\nOwner: platform team.\n"
+ASK = "What is the deploy codename written in notes.txt? Read the file, then answer with the codename only."
+FOLLOW = "Which team owns the project, according to the same file? Answer in one short sentence."
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: str, drafter: str, log_dir: Path, extra: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.request_log = log_dir / f"requests-{Path(drafter).name}.jsonl"
+        self.request_log.unlink(missing_ok=True)
+        cmd = [str(Path(sys.executable).parent / "dflash2"), "serve", model, "--drafter", drafter,
+               "--port", str(self.port), "--request-log", str(self.request_log), "--max-tokens-cap", "1024", *extra]
+        self.log = open(log_dir / f"server-{Path(drafter).name}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait(self, timeout: float = 600) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(1)
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}; see {self.log.name}")
+        raise TimeoutError("the server did not answer /health")
+
+    def lines(self) -> list[dict]:
+        if not self.request_log.exists():
+            return []
+        return [json.loads(x) for x in self.request_log.read_text().splitlines() if x.strip()]
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        self.proc.wait(60)
+        self.log.close()
+
+
+def run(cmd: list[str], cwd: Path, env: dict, timeout: float) -> tuple[int, str, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.perf_counter() - t0
+
+
+def claude_code(server: Server, model: str, bin_dir: Path, work: Path, timeout: float) -> list[dict]:
+    env = os.environ | {"ANTHROPIC_BASE_URL": server.url, "ANTHROPIC_API_KEY": "local", "HOME": str(work / "home"),
+                        "DISABLE_TELEMETRY": "1", "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                        "DISABLE_AUTOUPDATER": "1", "ANTHROPIC_MODEL": model,
+                        **{f"ANTHROPIC_DEFAULT_{k}_MODEL": model for k in ("OPUS", "SONNET", "HAIKU")}}
+    turns = []
+    for i, (prompt, extra) in enumerate(((ASK, []), (FOLLOW, ["--continue"]))):
+        before = len(server.lines())
+        code, out, wall = run([str(bin_dir / "claude"), "-p", prompt, "--output-format", "json", "--max-turns", "4",
+                               "--allowedTools", "Read", *extra], work, env, timeout)
+        result = _last_json(out)
+        turns.append({"client": "claude-code", "turn": i + 1, "exit": code, "wall_s": round(wall, 1),
+                      "answer": (result or {}).get("result"), "requests": server.lines()[before:],
+                      "raw_tail": out[-600:] if code else None})
+    return turns
+
+
+def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float) -> list[dict]:
+    home = work / "codex-home"
+    home.mkdir(exist_ok=True)
+    (home / "config.toml").write_text(
+        f'model = "{model}"\nmodel_provider = "dflash2"\nweb_search = "disabled"\napproval_policy = "never"\n'
+        f'sandbox_mode = "workspace-write"\n\n[model_providers.dflash2]\nname = "dflash2"\n'
+        f'base_url = "{server.url}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\n'
+        f'stream_max_retries = 0\n\n[analytics]\nenabled = false\n')
+    env = os.environ | {"CODEX_HOME": str(home)}
+    before = len(server.lines())
+    code, out, wall = run([str(bin_dir / "codex"), "exec", "--skip-git-repo-check", ASK], work, env, timeout)
+    return [{"client": "codex", "turn": 1, "exit": code, "wall_s": round(wall, 1), "answer": out.strip()[-300:],
+             "requests": server.lines()[before:]}]
+
+
+def agents_sdk(server: Server, model: str, work: Path) -> list[dict]:
+    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def read_notes() -> str:
+        """Read the project's notes.txt file."""
+        return (work / "notes.txt").read_text()
+
+    client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="local", max_retries=0)
+    agent = Agent(name="helper", instructions="Use the tools to answer.", tools=[read_notes],
+                  model=OpenAIResponsesModel(model=model, openai_client=client))
+    before = len(server.lines())
+    t0 = time.perf_counter()
+    result = Runner.run_sync(agent, ASK, max_turns=4)
+    return [{"client": "agents-sdk", "turn": 1, "exit": 0, "wall_s": round(time.perf_counter() - t0, 1),
+             "answer": str(result.final_output), "requests": server.lines()[before:],
+             "tool_calls": sum(1 for item in result.new_items if item.type == "tool_call_item")}]
+
+
+def _last_json(text: str) -> dict | None:
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict):
+            return value
+    return None
+
+
+def summarize(turn: dict) -> dict:
+    reqs = turn["requests"]
+    prompt = sum(r["prompt_n"] for r in reqs)
+    cached = sum(r["cache_n"] for r in reqs)
+    decode = [r["predicted_per_second"] for r in reqs if r["predicted_n"] > 1]
+    return {"requests": len(reqs), "prompt_tokens": [r["prompt_n"] for r in reqs],
+            "cached_share": round(cached / prompt, 3) if prompt else None,
+            "first_request_cached_share": round(reqs[0]["cache_n"] / reqs[0]["prompt_n"], 3) if reqs else None,
+            "ttft_s": [round(r["prompt_ms"] / 1e3, 1) for r in reqs],
+            "decode_tok_s": round(sum(decode) / len(decode), 2) if decode else None,
+            "tau": [r["tokens_per_cycle"] for r in reqs]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--drafters", default="none", help="comma-separated --drafter values, one server each")
+    ap.add_argument("--clients", default="claude-code,codex,agents-sdk")
+    ap.add_argument("--bin", default="/work/agents/node_modules/.bin", help="where `claude` and `codex` are")
+    ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `dflash2 serve` argument")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    bin_dir, out = Path(args.bin), {"model": args.model, "runs": {}}
+    for drafter in args.drafters.split(","):
+        work = Path(tempfile.mkdtemp(prefix="agents-"))
+        (work / "notes.txt").write_text(NOTES)
+        (work / "home").mkdir()
+        server = Server(args.model, drafter, work, args.serve_arg)
+        try:
+            server.wait()
+            turns = []
+            if "claude-code" in args.clients:
+                turns += claude_code(server, args.model, bin_dir, work, args.timeout)
+            if "codex" in args.clients:
+                turns += codex(server, args.model, bin_dir, work, args.timeout)
+            if "agents-sdk" in args.clients:
+                turns += agents_sdk(server, args.model, work)
+        finally:
+            server.stop()
+        for t in turns:
+            t["summary"] = summarize(t)
+        out["runs"][drafter] = turns
+        shutil.rmtree(work / "home", ignore_errors=True)
+    print("| drafter | client | turn | exit | requests | prompt tokens | cached share | TTFT s | decode tok/s | τ | answer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for drafter, turns in out["runs"].items():
+        for t in turns:
+            s = t["summary"]
+            print(f"| {Path(drafter).name} | {t['client']} | {t['turn']} | {t['exit']} | {s['requests']} | "
+                  f"{s['prompt_tokens']} | {s['cached_share']} | {s['ttft_s']} | {s['decode_tok_s']} | {s['tau']} | "
+                  f"{(t['answer'] or '')[:60]!r} |")
+    runs = list(out["runs"].values())
+    if len(runs) > 1:
+        out["equal_answers"] = all([t["answer"] for t in runs[0]] == [t["answer"] for t in r] for r in runs[1:])
+        print(f"answers equal across drafters: {out['equal_answers']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
