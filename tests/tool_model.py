@@ -1,4 +1,5 @@
-"""A tiny target that answers every chat prompt with one tool call, for end-to-end tool tests.
+"""A tiny target that answers every chat prompt with one tool call, for end-to-end tool tests
+(and, with `thinking=True`, one that thinks first, for the reasoning split).
 
 A real mlx-lm llama model whose weights are set by hand: its layers add nothing (o_proj and
 down_proj are zero), embeddings are one-hot, and the head maps each token to a fixed successor.
@@ -6,6 +7,10 @@ After the generation prompt's last token it writes `<tool_call>`, the call's JSO
 token), `</tool_call>`, then EOS. The chat template renders tools, tool calls and tool results
 in the Qwen style mlx-lm infers the `json_tools` parser from. A random drafter of the same
 width goes with it, so speculation runs (and rejects) for real.
+
+The thinking variant adds `<think>` / `</think>` (so mlx-lm sees a thinking mode) and a template
+with `enable_thinking` that, when thinking is off, closes an empty thinking block in the prompt
+(as Qwen3's does). After the generation prompt it writes `<think>hm</think>ok` then EOS.
 """
 
 from __future__ import annotations
@@ -41,18 +46,33 @@ CONFIG = dict(model_type="llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermed
               max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=10000.0)
 
 
-def successor(token: int) -> int:
-    return {93: 90, 90: 92, 92: 91}.get(token, EOS)
+THINK = {94: "<think>", 95: "</think>"}
+THINK_TEMPLATE = TEMPLATE.replace(
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+    "<think></think>{% endif %}{% endif %}")
+THOUGHT, ANSWER = "hm", "ok"
 
 
-def tool_tokenizer():
+def successor(token: int, chain: dict | None = None) -> int:
+    return (chain or {93: 90, 90: 92, 92: 91}).get(token, EOS)
+
+
+def _think_chain(tokenizer) -> dict:
+    """<|assistant|> -> <think> -> h -> m -> </think> -> o -> k -> EOS."""
+    vocab = tokenizer.get_vocab()
+    seq = [93, 94, *(vocab[c] for c in THOUGHT), 95, *(vocab[c] for c in ANSWER)]
+    return dict(zip(seq, seq[1:]))
+
+
+def tool_tokenizer(thinking: bool = False):
     """The byte-level tiny tokenizer (grammar libraries read it) with the call's tokens added."""
-    fast = TinyTokenizer.make(byte_level=True, added=SPECIAL, wrap=False)
-    fast.chat_template = TEMPLATE
+    fast = TinyTokenizer.make(byte_level=True, added={**SPECIAL, **(THINK if thinking else {})}, wrap=False)
+    fast.chat_template = THINK_TEMPLATE if thinking else TEMPLATE
     return fast
 
 
-def tool_model():
+def tool_model(chain: dict | None = None):
     from mlx_lm.models import llama
 
     model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
@@ -68,15 +88,15 @@ def tool_model():
     params["model.embed_tokens.weight"] = mx.array(np.eye(VOCAB, HIDDEN, dtype=np.float32))
     head = np.zeros((VOCAB, HIDDEN), np.float32)
     for v in range(VOCAB):
-        head[successor(v), v] = 2.0  # logit 2·sqrt(HIDDEN) ≈ 22.6 for the successor, 0 elsewhere
+        head[successor(v, chain), v] = 2.0  # logit 2·sqrt(HIDDEN) ≈ 22.6 for the successor, 0 elsewhere
     params["lm_head.weight"] = mx.array(head)
     model.update(tree_unflatten(list(params.items())))
     mx.eval(model.parameters())
     return model
 
 
-def save_tool_pair(root) -> tuple[Path, Path]:
-    """(target_dir, drafter_dir) for `dflash2 serve`."""
+def save_tool_pair(root, thinking: bool = False) -> tuple[Path, Path]:
+    """(target_dir, drafter_dir) for `dflash2 serve`; `thinking`: the model that thinks first."""
     from mlx_lm.utils import save_model
 
     from dflash2_mlx.drafter.config import parse_config
@@ -87,9 +107,10 @@ def save_tool_pair(root) -> tuple[Path, Path]:
     root = Path(root)
     target_dir, drafter_dir = root / "tool-target", root / "tool-drafter"
     target_dir.mkdir(parents=True, exist_ok=True)
-    save_model(target_dir, tool_model())
+    tokenizer = tool_tokenizer(thinking)
+    save_model(target_dir, tool_model(_think_chain(tokenizer) if thinking else None))
     (target_dir / "config.json").write_text(json.dumps(CONFIG))
-    tool_tokenizer().save_pretrained(str(target_dir))
+    tokenizer.save_pretrained(str(target_dir))
     cfg = drafter_config_dict("dflash2", block_size=4)
     cfg.update(hidden_size=HIDDEN, head_dim=32)
     mx.random.seed(1)  # the same drafter whatever ran before in this process

@@ -34,7 +34,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from . import dispatch, tools
+from . import dispatch, reasoning, tools
 from .dispatch import ServerState, StateDep
 from .errors import APIError, error_body
 from .schema import CountTokensRequest, MessagesRequest
@@ -126,12 +126,19 @@ def _tools(state: ServerState, body) -> tuple[list[dict] | None, str]:
 
 
 def _thinking(state: ServerState, body) -> dict:
-    """Template variables for `thinking`: the thinking mode, when the model's template has one."""
-    kind = (body.thinking or {}).get("type")
+    """Template variables for `thinking`: the thinking mode, when the model's template has one
+    (off unless the request asks for it, as Anthropic's API has it)."""
+    kind = (body.thinking or {}).get("type", "disabled")
     template = getattr(state.session.target.tokenizer, "chat_template", None) or ""
-    if kind is None or "enable_thinking" not in str(template):
+    if "enable_thinking" not in str(template):
         return {}
     return {"enable_thinking": kind != "disabled"}
+
+
+def _shows_thinking(body) -> bool:
+    """Whether the reply carries the thinking text (`display: "omitted"` asks for none)."""
+    thinking = body.thinking or {}
+    return thinking.get("type", "disabled") != "disabled" and thinking.get("display") != "omitted"
 
 
 async def _prompt_ids(state: ServerState, body, tool_list: list[dict] | None) -> list[int]:
@@ -181,21 +188,23 @@ def _event(name: str, data: dict) -> dict:
     return {"event": name, "data": json.dumps({"type": name, **data})}
 
 
-async def _events(state: ServerState, job: Job, calls):
-    """Named SSE events; text streams into a text block, each tool call is a tool_use block whose
-    input streams as input_json_delta pieces as the model writes them."""
+async def _events(state: ServerState, job: Job, calls, split, show_thinking: bool):
+    """Named SSE events; reasoning streams into a thinking block (when shown), text into a text
+    block, and each tool call is a tool_use block whose input streams as input_json_delta pieces
+    as the model writes them."""
     yield _event("message_start", {"message": _message(job, state, [], final=False)})
     blocks = _Blocks()
     try:
         async for event in job.events():
-            for e in blocks.feed(calls.events(event.text)):
+            for e in _pieces(blocks, calls, reasoning.pieces(split, event.text), show_thinking):
                 yield e
-        for e in blocks.feed(calls.finish_events()):
+        for e in _pieces(blocks, calls, reasoning.pieces(split, "", final=True), show_thinking, final=True):
             yield e
     except JobFailed as e:
         yield {"event": "error", "data": json.dumps(error_body("/v1/messages", dispatch.failure_error(e)))}
         return
-    if blocks.index < 0:  # an empty reply still has its (empty) text block, as non-streamed replies do
+    if blocks.index < 0 or blocks.open == "thinking" and not calls.calls and blocks.index == 0:
+        # an empty reply (or one that only thought) still has its text block, as non-streamed replies do
         for e in blocks.text(""):
             yield e
     for e in blocks.close():
@@ -206,6 +215,17 @@ async def _events(state: ServerState, job: Job, calls):
     yield _event("message_stop", {})
 
 
+def _pieces(blocks, calls, pieces: list, show_thinking: bool, final: bool = False):
+    content = ""
+    for kind, text in pieces:
+        if kind == reasoning.REASONING:
+            if show_thinking:
+                yield from blocks.thinking(text)
+        else:
+            content += text
+    yield from blocks.feed(calls.events(content) + (calls.finish_events() if final else []))
+
+
 class _Blocks:
     """Content-block bookkeeping of one streamed message: which block is open, its index."""
 
@@ -213,9 +233,21 @@ class _Blocks:
         self.index, self.open = -1, None
 
     def close(self):
+        if self.open == "thinking":  # thinking made here carries no Anthropic signature
+            yield _event("content_block_delta", {"index": self.index,
+                                                 "delta": {"type": "signature_delta", "signature": ""}})
         if self.open is not None:
             yield _event("content_block_stop", {"index": self.index})
             self.open = None
+
+    def thinking(self, text: str):
+        if self.open != "thinking":
+            yield from self.close()
+            self.index, self.open = self.index + 1, "thinking"
+            yield _event("content_block_start", {"index": self.index, "content_block": {
+                "type": "thinking", "thinking": "", "signature": ""}})
+        yield _event("content_block_delta", {"index": self.index,
+                                             "delta": {"type": "thinking_delta", "thinking": text}})
 
     def text(self, text: str):
         if self.open != "text":
@@ -257,14 +289,19 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
     job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages",
                           constraint=constraint)
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel, forced=choice not in ("auto", "none"))
+    split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
     if body.stream:
-        return EventSourceResponse(dispatch.guarded(state, job, _events(state, job, calls)), sep="\n",
+        events = _events(state, job, calls, split, _shows_thinking(body))
+        return EventSourceResponse(dispatch.guarded(state, job, events), sep="\n",
                                    shutdown_grace_period=state.config.shutdown_timeout, headers=headers)
     text, _ = await dispatch.collect(request, state, job)
+    thought, text = reasoning.split_all(split, text)
     text, _ = calls.feed(text)
     rest, _ = calls.finish()
     text += rest
     content = [{"type": "text", "text": text}] if text or not calls.calls else []
+    if thought and _shows_thinking(body):
+        content = [{"type": "thinking", "thinking": thought, "signature": ""}] + content
     message = _message(job, state, content + [_tool_use(c) for c in calls.calls], final=True, calls=calls)
     return JSONResponse(message, headers=headers)
 

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .._version import __version__
-from . import dispatch, tools
+from . import dispatch, reasoning, tools
 from .dispatch import ServerState, StateDep
 from .errors import APIError
 from .schema import OllamaChatRequest, OllamaGenerateRequest, OllamaOptions, OllamaShowRequest
@@ -94,11 +94,18 @@ def _loaded(name: str, extra: dict) -> dict:
     return {"model": name, "created_at": _now(), **extra, "done": True, "done_reason": "load"}
 
 
-async def _ndjson(job: Job, piece, done_extra, started: float, calls=None):
-    """NDJSON lines; with a tool-call collector, parsed calls come as their own line."""
+async def _ndjson(job: Job, piece, done_extra, started: float, calls=None, split=None):
+    """NDJSON lines; reasoning (when `split` separates it) and parsed tool calls come as their own lines."""
     finish, tokens = None, []
 
-    def lines(text: str, new: list):
+    def lines(pieces: list, final: bool = False):
+        thought, text = _joined(pieces)
+        if thought:
+            yield json.dumps({"created_at": _now(), **piece("", (), thought), "done": False}) + "\n"
+        text, new = calls.feed(text) if calls else (text, [])
+        if final and calls:
+            rest, more = calls.finish()
+            text, new = text + rest, [*new, *more]
         if text:
             yield json.dumps({"created_at": _now(), **piece(text), "done": False}) + "\n"
         if new:
@@ -108,9 +115,9 @@ async def _ndjson(job: Job, piece, done_extra, started: float, calls=None):
         async for event in job.events():
             finish = event.finish_reason or finish
             tokens.extend(event.tokens)
-            for line in lines(*(calls.feed(event.text) if calls else (event.text, []))):
+            for line in lines(reasoning.pieces(split, event.text)):
                 yield line
-        for line in lines(*calls.finish()) if calls else ():
+        for line in lines(reasoning.pieces(split, "", final=True), final=True):
             yield line
     except JobFailed as e:
         yield json.dumps({"error": e.failure.message}) + "\n"
@@ -119,24 +126,33 @@ async def _ndjson(job: Job, piece, done_extra, started: float, calls=None):
     yield json.dumps(last) + "\n"
 
 
+def _joined(pieces: list) -> tuple[str, str]:
+    return ("".join(t for k, t in pieces if k == reasoning.REASONING),
+            "".join(t for k, t in pieces if k == reasoning.CONTENT))
+
+
 async def _respond(request: Request, state: ServerState, body, job: Job, piece, done_extra, started: float,
                    calls=None):
-    """An NDJSON stream, or (`"stream": false`) one object with the whole text (and tool calls)."""
+    """An NDJSON stream, or (`"stream": false`) one object with the whole text (and tool calls);
+    a thinking model's reasoning is the `thinking` field, never the content."""
     name = body.model or state.model_name
+    split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, job.prompt_ids)
 
-    def named(text: str, new_calls=()) -> dict:
-        return {"model": name, **piece(text, new_calls)}
+    def named(text: str, new_calls=(), thought: str = "") -> dict:
+        return {"model": name, **piece(text, new_calls, thought)}
 
     if body.stream:
-        lines = _ndjson(job, named, done_extra, started, calls)
+        lines = _ndjson(job, named, done_extra, started, calls, split)
         return StreamingResponse(dispatch.guarded(state, job, lines), media_type="application/x-ndjson")
     text, tokens = await dispatch.collect(request, state, job)
+    thought, text = reasoning.split_all(split, text)
     found = []
     if calls is not None:
         text, _ = calls.feed(text)
         rest, _ = calls.finish()
         text, found = text + rest, calls.calls
-    return {"created_at": _now(), **named(text, found), **done_extra(tokens), **_done_fields(job, started, None)}
+    return {"created_at": _now(), **named(text, found, thought), **done_extra(tokens),
+            **_done_fields(job, started, None)}
 
 
 @router.post("/generate", summary="Generate (Ollama)")
@@ -153,8 +169,10 @@ async def generate(body: OllamaGenerateRequest, request: Request, state: StateDe
     template = dispatch.template_kwargs(state, think=body.think)
     ids = await dispatch.encode(state, body.prompt, raw=body.raw, system=body.system, template=template)
     job = _submit(state, body, ids, "generate", await _format(state, body))
-    return await _respond(request, state, body, job, lambda text, _=(): {"response": text},
-                          lambda tokens: {"context": ids + tokens}, started)
+    def piece(text: str, _=(), thought: str = "") -> dict:
+        return {"response": text, **({"thinking": thought} if thought else {})}
+
+    return await _respond(request, state, body, job, piece, lambda tokens: {"context": ids + tokens}, started)
 
 
 @router.post("/chat", summary="Chat (Ollama)")
@@ -180,8 +198,10 @@ async def chat(body: OllamaChatRequest, request: Request, state: StateDep):
     job = _submit(state, body, ids, "chat", constraint)
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list) if tool_list else None
 
-    def piece(text: str, new_calls=()) -> dict:
+    def piece(text: str, new_calls=(), thought: str = "") -> dict:
         message = {"role": "assistant", "content": text}
+        if thought:
+            message["thinking"] = thought
         if new_calls:
             message["tool_calls"] = [{"function": {"index": calls.calls.index(c), "name": c.name,
                                                    "arguments": c.arguments}} for c in new_calls]

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from .._version import __version__
-from . import dispatch
+from . import dispatch, reasoning
 from .dispatch import ServerState, StateDep
 from . import tools
 from .errors import APIError, error_body
@@ -100,26 +100,41 @@ def _completion_logprobs(state: ServerState, lps, offset: int = 0) -> dict | Non
             "top_logprobs": [{_token_text(state, t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
 
 
-async def _sse(job: Job, chunk, final, include_usage: bool, head: dict, calls=None):
-    """SSE data lines: content chunks (tool calls as their own deltas when `calls` collects
-    them), the finish chunk with timings, usage, [DONE]."""
+def _reasoning_chunk(text: str) -> dict:
+    return {"index": 0, "delta": {"reasoning_content": text}, "logprobs": None, "finish_reason": None}
+
+
+async def _sse(job: Job, chunk, final, include_usage: bool, head: dict, calls=None, split=None):
+    """SSE data lines: reasoning (`reasoning_content`, when `split` separates it) and content
+    chunks (tool calls as their own deltas when `calls` collects them), the finish chunk with
+    timings, usage, [DONE]."""
     finish = None
     try:
         async for event in job.events():
             finish = event.finish_reason or finish
-            items = calls.events(event.text) if calls is not None else [event.text]
+            content = ""
+            for kind, text in reasoning.pieces(split, event.text):
+                if kind == reasoning.REASONING:
+                    yield json.dumps({**head, "choices": [_reasoning_chunk(text)]})
+                else:
+                    content += text
+            items = calls.events(content) if calls is not None else [content]
             text = "".join(i for i in items if isinstance(i, str))
             if text or event.logprobs:
                 yield json.dumps({**head, "choices": [chunk(text, None, event.logprobs)]})
             for delta in calls.deltas(items) if calls is not None else ():
                 yield json.dumps({**head, "choices": [delta]})
-        if calls is not None:
-            items = calls.finish_events()
-            text = "".join(i for i in items if isinstance(i, str))
-            if text:
-                yield json.dumps({**head, "choices": [chunk(text, None)]})
-            for delta in calls.deltas(items):
-                yield json.dumps({**head, "choices": [delta]})
+        held = reasoning.pieces(split, "", final=True)
+        for kind, text in held:
+            if kind == reasoning.REASONING:
+                yield json.dumps({**head, "choices": [_reasoning_chunk(text)]})
+        tail = "".join(t for k, t in held if k == reasoning.CONTENT)
+        items = ([tail] if tail else []) if calls is None else calls.events(tail) + calls.finish_events()
+        text = "".join(i for i in items if isinstance(i, str))
+        if text:
+            yield json.dumps({**head, "choices": [chunk(text, None)]})
+        for delta in calls.deltas(items) if calls is not None else ():
+            yield json.dumps({**head, "choices": [delta]})
     except JobFailed as e:
         yield json.dumps(error_body("/v1", dispatch.failure_error(e)))
         yield "[DONE]"
@@ -191,6 +206,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
     created = int(time.time())
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list, body.parallel_tool_calls is not False,
                                 forced=choice not in ("auto", "none"))
+    split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         head = _head(job, state, "chat.completion.chunk", created)
@@ -206,15 +222,18 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, state:
 
         async def chunks():
             yield json.dumps(first)
-            async for line in _sse(job, chunk, final, include_usage, head, calls):
+            async for line in _sse(job, chunk, final, include_usage, head, calls, split):
                 yield line
 
         return _stream_response(state, job, chunks())
     text, _ = await dispatch.collect(request, state, job)
+    thought, text = reasoning.split_all(split, text)
     content, _ = calls.feed(text)
     rest, _ = calls.finish()
     content += rest
     message = {"role": "assistant", "content": content if content or not calls.calls else None}
+    if thought:
+        message["reasoning_content"] = thought
     if calls.calls:
         message["tool_calls"] = [c.openai(i) for i, c in enumerate(calls.calls)]
         for c in message["tool_calls"]:

@@ -35,7 +35,7 @@ import uuid
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
-from . import dispatch, tools
+from . import dispatch, reasoning, tools
 from .dispatch import ServerState, StateDep
 from .errors import APIError
 from .schema import ResponsesRequest
@@ -189,6 +189,11 @@ def _message_item(item_id: str, text: str | None, status: str = "completed", log
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
+def _reasoning_item(item_id: str, text: str | None, status: str = "completed") -> dict:
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "status": status, "summary": [], "content": content}
+
+
 def _usage(job: Job) -> dict:
     s = job.stats
     return {"input_tokens": s.prompt_n, "input_tokens_details": {"cached_tokens": s.cached_tokens},
@@ -258,15 +263,18 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
         0 if "message.output_text.logprobs" in (body.include or []) else None)
     job = dispatch.submit(state, ids, params, n_max, [], "responses", logprobs, constraint)
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel, forced=choice not in ("auto", "none"))
-    run = _Run(state, body, job, calls, spaces, messages)
+    split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
+    run = _Run(state, body, job, calls, spaces, messages, split)
     if body.stream:
         return EventSourceResponse(dispatch.guarded(state, job, run.events()), sep="\n",
                                    shutdown_grace_period=state.config.shutdown_timeout)
     text, _ = await dispatch.collect(request, state, job)
+    thought, text = reasoning.split_all(split, text)
     content, _ = calls.feed(text)
     rest, _ = calls.finish()
     content += rest
-    output = [] if not content and calls.calls else [
+    output = [_reasoning_item(f"rs_{job.id}", thought)] if thought else []
+    output += [] if not content and calls.calls else [
         _message_item(f"msg_{job.id}", content, logprobs=_logprob_entries(state, job.logprobs)
                       if job.top_logprobs is not None else None)]
     output += [_call_item(c, spaces) for c in calls.calls]
@@ -281,8 +289,9 @@ async def get_response(response_id: str, state: StateDep):
 class _Run:
     """One response being made: its stream of events and the stored conversation at the end."""
 
-    def __init__(self, state, body, job, calls, spaces, messages):
+    def __init__(self, state, body, job, calls, spaces, messages, split=None):
         self.state, self.body, self.job, self.calls, self.spaces = state, body, job, calls, spaces
+        self.split, self.thought = split, None  # the open reasoning item: (index, id, pieces)
         self.messages, self.created, self.seq = messages, int(time.time()), 0
         self.open_calls: dict[str, tuple[int, list[str]]] = {}  # call id -> (output index, argument pieces)
 
@@ -312,14 +321,30 @@ class _Run:
         text = _OpenText()
         try:
             async for event in job.events():
-                items = self.calls.events(event.text)
+                content = ""
+                for kind, piece in reasoning.pieces(self.split, event.text):
+                    if kind == reasoning.REASONING:
+                        for e in self._reasoning(output, piece):
+                            yield e
+                    else:
+                        content += piece
+                if content:
+                    for e in self._close_reasoning(output):
+                        yield e
+                items = self.calls.events(content)
                 shown = "".join(i for i in items if isinstance(i, str))
                 if shown or event.logprobs:  # text precedes a call opened by the same event
                     for e in self._text(output, text, shown, event.logprobs):
                         yield e
                 for e in self._calls(output, text, items):
                     yield e
-            items = self.calls.finish_events()
+            held = reasoning.pieces(self.split, "", final=True)
+            for e in self._reasoning(output, "".join(t for k, t in held if k == reasoning.REASONING)):
+                yield e
+            for e in self._close_reasoning(output):
+                yield e
+            items = self.calls.events("".join(t for k, t in held if k == reasoning.CONTENT))
+            items += self.calls.finish_events()
             for e in self._text(output, text, "".join(i for i in items if isinstance(i, str)), None):
                 yield e
             for e in self._calls(output, text, items):
@@ -353,6 +378,28 @@ class _Run:
         if shown or entries:
             yield self._event("response.output_text.delta", item_id=text.id, output_index=text.index,
                               content_index=0, delta=shown, logprobs=entries)
+
+    def _reasoning(self, output, piece: str):
+        if not piece:
+            return
+        if self.thought is None:
+            self.thought = (len(output), f"rs_{uuid.uuid4().hex[:24]}", [])
+            output.append(_reasoning_item(self.thought[1], None, "in_progress"))
+            yield self._event("response.output_item.added", output_index=self.thought[0], item=output[-1])
+        index, item_id, parts = self.thought
+        parts.append(piece)
+        yield self._event("response.reasoning_text.delta", item_id=item_id, output_index=index, content_index=0,
+                          delta=piece)
+
+    def _close_reasoning(self, output):
+        if self.thought is None:
+            return
+        index, item_id, parts = self.thought
+        yield self._event("response.reasoning_text.done", item_id=item_id, output_index=index, content_index=0,
+                          text="".join(parts))
+        output[index] = _reasoning_item(item_id, "".join(parts))
+        yield self._event("response.output_item.done", output_index=index, item=output[index])
+        self.thought = None
 
     def _close_text(self, output, text):
         if text.id is None:

@@ -347,6 +347,13 @@ class AnthropicToolResult(_Body):
     is_error: bool = False
 
 
+class AnthropicThinking(_Body):
+    """A thinking block of an earlier assistant turn: accepted and left out of the prompt (chat
+    templates drop past reasoning)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+
+
 class AnthropicOther(OtherPart):
     """Any other block (image, document, ...): refused by name; a malformed known block is
     refused here."""
@@ -362,8 +369,8 @@ class AnthropicOther(OtherPart):
 
 class AnthropicMessage(_Body):
     role: Literal["user", "assistant", "system"]  # Claude Code sends system messages between turns
-    content: Text | Annotated[list[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicOther],
-                              Field(max_length=MAX_MESSAGES)]
+    content: Text | Annotated[list[AnthropicText | AnthropicToolUse | AnthropicToolResult | AnthropicThinking
+                                   | AnthropicOther], Field(max_length=MAX_MESSAGES)]
 
 
 class _AnthropicPrompt(_Body):
@@ -384,7 +391,7 @@ class _AnthropicPrompt(_Body):
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 for block in message.content:
-                    if block.type not in ("text", "tool_use", "tool_result"):
+                    if block.type not in ("text", "tool_use", "tool_result", "thinking", "redacted_thinking"):
                         return f"messages[{i}] has a {block.type!r} block; only text and tool blocks are supported"
         return None
 
