@@ -76,6 +76,9 @@ def prepare_data(
                                                            "evaluation set for fit --eval-data.")] = False,
     worker: Annotated[str, typer.Option("--worker", help="K/N: this process generates segments s with s % N == K, "
                                                         "so N processes (one per core) can share a run.")] = "0/1",
+    exclude: Annotated[Optional[Path], typer.Option("--exclude", help="Another run's directory: none of its "
+                                                    "prompts is used here (a held-out set must not share a "
+                                                    "templated prompt with the training run).")] = None,
     rebuild_features: Annotated[bool, typer.Option("--rebuild-features", help="Only remake missing feat/ shards "
                                                    "of done segments from tokens/ (one target pass each).")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
@@ -99,6 +102,10 @@ def prepare_data(
                 "seed": seed, "heldout": heldout, "max_new_tokens": max_new_tokens,
                 "max_prompt_tokens": max_prompt_tokens, "batch_size": batch_size, "segment_size": segment_size,
                 "shard_size": shard_size, "top_k": top_k}
+    if exclude is not None:
+        if not (exclude / "prompts.jsonl.gz").exists():
+            raise typer.BadParameter(f"--exclude {exclude} holds no prompts.jsonl.gz (not a prepare-data run)")
+        settings["exclude"] = str(exclude)
     fresh = not (out / onpolicy.RUN_FILE).exists()
     prompts = onpolicy.start_run(out, settings, _mixed_prompts(target, settings) if fresh else None)
     if rebuild_features:
@@ -127,11 +134,19 @@ def _mixed_prompts(target, settings: dict) -> list[dict]:
     """The run's prompts as token ids (chat template), each with its source."""
     from ..train.prompt_mix import prompt_ids, prompt_mix
 
-    items = prompt_mix(settings["n_prompts"], settings["mix"], seed=settings["seed"], heldout=settings["heldout"])
+    excluded = set()
+    if settings.get("exclude"):
+        from ..train.onpolicy import PROMPTS_FILE, read_jsonl_gz
+
+        excluded = {tuple(r["ids"]) for r in read_jsonl_gz(Path(settings["exclude"]) / PROMPTS_FILE)}
+    n = settings["n_prompts"]
+    # Templated prompts can repeat across runs: draw spares, so the run still gets n after exclusion.
+    items = prompt_mix(n + (n // 4 + 8 if excluded else 0), settings["mix"], seed=settings["seed"],
+                       heldout=settings["heldout"])
     out = []
     for item in items:
         ids = prompt_ids(target.tokenizer, item.messages, settings["max_prompt_tokens"])
-        if ids is not None:
+        if ids is not None and tuple(ids) not in excluded and len(out) < n:
             out.append({"i": len(out), "source": item.source, "ids": ids})
     return out
 
