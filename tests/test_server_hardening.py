@@ -242,8 +242,15 @@ def test_one_token_timings_are_sane(hard):
     assert many["predicted_per_second"] == pytest.approx(1e3 * 23 / many["predicted_ms"], rel=1e-2)
     ollama = request(hard.url, "POST", "/api/generate", {"prompt": "Hello", "stream": False,
                                                          "options": {"num_predict": 1}}).json()
-    assert ollama["eval_count"] == 1
-    assert ollama["eval_duration"] >= ollama["prompt_eval_duration"] * 0.99 > 0  # not ~0 for one token
+    assert ollama["eval_count"] == 1 and ollama["eval_duration"] > 0 and ollama["prompt_eval_duration"] > 0
+    # the one prompt pass is booked once, not as both the prompt's and the token's time
+    assert ollama["prompt_eval_duration"] + ollama["eval_duration"] <= ollama["total_duration"]
+    assert ollama["prompt_eval_duration"] + ollama["eval_duration"] == pytest.approx(
+        ollama["timings"]["prompt_ms"] * 1e6, rel=1e-3)
+    body = {"prompt": "Twelve months, cached.", "stream": False, "options": {"num_predict": 8}}
+    request(hard.url, "POST", "/api/generate", body)
+    cached = request(hard.url, "POST", "/api/generate", body).json()
+    assert cached["timings"]["cache_n"] > 0 and cached["prompt_eval_duration"] > 0
     # a prompt the prefix cache has not seen: its prompt pass outlasts one decode step, so the
     # first token moves out of it at the full mean cost (a cached one-token pass may be shorter)
     ollama = request(hard.url, "POST", "/api/generate", {"prompt": "Name twelve months, then ten rivers.",

@@ -108,12 +108,17 @@ class JobStats:
         return tau_from_counts(self.draft_n_accepted, self.n_speculative)
 
     def ollama_durations_ms(self) -> tuple[float, float]:
-        """Ollama's (prompt_eval_duration, eval_duration), so that eval_count / eval_duration is
-        the decode rate: the first token is moved out of the prompt pass at the mean decode cost.
-        A lone token has no decode step to measure; it costs the prompt pass that produced it."""
+        """Ollama's (prompt_eval_duration, eval_duration), summing to the time actually spent, so
+        that eval_count / eval_duration is the decode rate: the first token is moved out of the
+        prompt pass at the mean decode cost, but at most half of that pass (a prompt the prefix
+        cache supplied can take less than a decode step, and still took time). A lone token has
+        no decode step to measure: it gets its position's share of the prompt pass."""
         if self.predicted_n <= 1:
-            return self.prompt_ms, self.prompt_ms if self.predicted_n else 0.0
-        shift = min(self.predicted_ms / (self.predicted_n - 1), self.prompt_ms)
+            if not self.predicted_n:
+                return self.prompt_ms, 0.0
+            share = self.prompt_ms / (max(self.prompt_n - self.cached_tokens, 0) + 1)
+            return self.prompt_ms - share, share
+        shift = min(self.predicted_ms / (self.predicted_n - 1), self.prompt_ms / 2)
         return self.prompt_ms - shift, self.predicted_ms + shift
 
     def timings(self) -> dict:
