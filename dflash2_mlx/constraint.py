@@ -50,6 +50,30 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_ids):
     return _TOKENIZERS[key][1]
 
 
+# Longest run of digits a JSON reply may write: JSON numbers are unbounded, and a weak model can
+# write digits until its token limit (a 52-digit float was seen); no real value needs 40.
+JSON_DIGIT_CAP = 40
+_DIGITS: dict = {}
+
+
+def digit_tables(tokenizer, vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per token: (its leading digits, its trailing digits, whether it is all digits), from its
+    text; built once per tokenizer."""
+    key = (id(tokenizer), vocab_size)
+    if key not in _DIGITS:
+        lead = np.zeros(vocab_size, np.int32)
+        trail = np.zeros(vocab_size, np.int32)
+        whole = np.zeros(vocab_size, bool)
+        for v in range(vocab_size):
+            text = tokenizer.decode([v])
+            stripped = text.lstrip("0123456789")
+            lead[v] = len(text) - len(stripped)
+            trail[v] = len(text) - len(text.rstrip("0123456789"))
+            whole[v] = bool(text) and not stripped
+        _DIGITS[key] = (tokenizer, (lead, trail, whole))
+    return _DIGITS[key][1]
+
+
 # Between JSON tokens: one space, or a newline and an indent. Bounded, so a weak model cannot
 # spend its whole budget on whitespace, and still what models write when pretty-printing.
 BOUNDED_WHITESPACE = "[ \n]?[ ]{0,15}"
@@ -93,10 +117,14 @@ def _validated(grammar: str, what: str) -> str:
 class GrammarConstraint:
     """Masks for the target's rows along a draft path; `commit` the tokens a step emits."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids, grammar: str, mask_drafts: bool = True):
+    def __init__(self, tokenizer, vocab_size: int, eos_ids, grammar: str, mask_drafts: bool = True,
+                 digit_cap: int | None = None):
         ll = _llguidance()
         self.mask_drafts = mask_drafts  # greedy: replace forbidden drafts before the verify (`walk`)
         self.vocab_size = vocab_size
+        # `digit_cap`: no run of more digits than this (JSON_DIGIT_CAP for JSON replies)
+        self.digit_cap, self.digits = digit_cap, 0
+        self._digit_tables = digit_tables(tokenizer, vocab_size) if digit_cap else None
         self.matcher = ll.LLMatcher(ll_tokenizer(tokenizer, vocab_size, eos_ids), grammar, log_level=0)
         if self.matcher.is_error():
             raise ConfigError(f"cannot start the grammar: {self.matcher.get_error()}")
@@ -107,10 +135,21 @@ class GrammarConstraint:
         self.forbidden_at: list[int] = []  # per walk that met one: the position of the forbidden draft
         self.repaired = 0  # drafts replaced by an allowed candidate
 
-    def _mask(self, matcher) -> np.ndarray:
+    def _mask(self, matcher, digits: int = 0) -> np.ndarray:
         self._fill(matcher, self._bits)
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")
-        return bits[: self.vocab_size].astype(bool)
+        allowed = bits[: self.vocab_size].astype(bool)
+        if self._digit_tables is not None:
+            lead = self._digit_tables[0]
+            allowed &= (lead == 0) | (digits + lead <= self.digit_cap)
+        return allowed
+
+    def _run_after(self, digits: int, token: int) -> int:
+        """The trailing digit run after `token`, given the run `digits` before it."""
+        if self._digit_tables is None or not 0 <= token < self.vocab_size:
+            return 0
+        _, trail, whole = self._digit_tables
+        return digits + int(trail[token]) if whole[token] else int(trail[token])
 
     def masks(self, drafts: list[int]) -> np.ndarray:
         """Allowed tokens [len(drafts) + 1, V] per verify row (all True past a forbidden draft)."""
@@ -132,8 +171,9 @@ class GrammarConstraint:
         rows = np.ones((len(out) + 1, self.vocab_size), dtype=bool)
         walker = self.matcher.deep_copy() if out else self.matcher
         self.walks += bool(out)
+        digits = self.digits
         for i in range(len(out) + 1):
-            rows[i] = self._mask(walker)
+            rows[i] = self._mask(walker, digits)
             if i == len(out):
                 break
             if not rows[i][out[i]] and candidates is not None:
@@ -147,6 +187,7 @@ class GrammarConstraint:
             if not rows[i][out[i]]:  # the draft the grammar forbids: the verify rejects it here
                 self.forbidden_at.append(i)
                 break
+            digits = self._run_after(digits, out[i])
         self.seconds += time.perf_counter() - t0
         return out, rows
 
@@ -165,6 +206,7 @@ class GrammarConstraint:
                 break
             if not self.matcher.consume_token(t):
                 raise RuntimeError(f"the grammar rejected emitted token {t}: {self.matcher.get_error()}")
+            self.digits = self._run_after(self.digits, t)
         self.seconds += time.perf_counter() - t0
 
     @property

@@ -182,3 +182,29 @@ def test_power_check_unmasked_verify_rows_are_caught(monkeypatch):
             continue
         outside += tuple(out.tokens) not in joint
     assert outside > 0
+
+
+def test_digit_runs_are_capped_so_a_number_always_ends():
+    target = tiny_target("llama", byte_level=True)
+    tok, V = target.tokenizer, target.info.vocab_size
+    grammar = json_schema_grammar({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]})
+    capped = GrammarConstraint(tok, V, target.eos_token_ids, grammar, digit_cap=5)
+    free = _constraint(target, grammar)
+    for c in (capped, free):
+        c.commit(tok.encode('{"x": 12345', add_special_tokens=False))
+    digit = tok.encode("7", add_special_tokens=False)[0]
+    comma_or_close = [tok.encode(ch, add_special_tokens=False)[0] for ch in "}."]
+    assert free.masks([])[0][digit] and not capped.masks([])[0][digit]
+    assert all(capped.masks([])[0][t] for t in comma_or_close)
+    after_dot = GrammarConstraint(tok, V, target.eos_token_ids, grammar, digit_cap=5)
+    after_dot.commit(tok.encode('{"x": 12345.', add_special_tokens=False))  # a new run starts after "."
+    assert after_dot.masks([])[0][digit]
+    # along a draft path the run is counted too, and speculation still equals plain decoding
+    _, rows = capped.walk([tok.encode(".", add_special_tokens=False)[0]] + [digit] * 6)
+    assert rows[5][digit] and not rows[6][digit]
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    plain = generate(target, PROMPT, max_tokens=40,
+                     constraint=GrammarConstraint(tok, V, target.eos_token_ids, grammar, digit_cap=3))
+    spec = generate(target, PROMPT, drafter=drafter, max_tokens=40, block_size=4,
+                    constraint=GrammarConstraint(tok, V, target.eos_token_ids, grammar, digit_cap=3))
+    assert spec.tokens == plain.tokens

@@ -301,19 +301,22 @@ async def json_constraint(state: ServerState, schema: dict | None, param: str):
             raise APIError(400, f"{param} is {size} characters; at most {MAX_SCHEMA_CHARS}", "invalid_value", param)
         if _depth(schema) > MAX_SCHEMA_DEPTH:
             raise APIError(400, f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", "invalid_value", param)
-    return await grammar_constraint(state, lambda: json_schema_grammar(schema), param)
+    return await grammar_constraint(state, lambda: json_schema_grammar(schema), param, json_reply=True)
 
 
-async def grammar_constraint(state: ServerState, make_grammar, param: str):
+async def grammar_constraint(state: ServerState, make_grammar, param: str, json_reply: bool = False):
     """A GrammarConstraint for the grammar `make_grammar()` returns, built off the event loop;
-    a grammar that does not compile → 400 naming `param`."""
-    from ..constraint import GrammarConstraint
+    a grammar that does not compile → 400 naming `param`. A JSON reply's digit runs are capped
+    (`JSON_DIGIT_CAP`), so an unbounded number always ends."""
+    from ..constraint import JSON_DIGIT_CAP, GrammarConstraint
 
     target = state.session.target
+    cap = JSON_DIGIT_CAP if json_reply else None
 
     def work():
         with state.encode_lock:
-            return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, make_grammar())
+            return GrammarConstraint(target.tokenizer, target.info.vocab_size, target.eos_token_ids, make_grammar(),
+                                     digit_cap=cap)
 
     try:
         return await anyio.to_thread.run_sync(work)
