@@ -93,8 +93,9 @@ def test_a_real_model_calls_the_tool_and_speculation_changes_nothing(servers):
     stream = _openai(spec).chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0,
                                                    max_tokens=60, stream=True)
     deltas = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    assert [d.function.name for d in deltas] == ["get_weather"]
-    assert deltas[0].function.arguments == call.function.arguments
+    assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+    streamed = "".join(d.function.arguments or "" for d in deltas)  # the arguments, as they were written
+    assert json.loads(streamed) == json.loads(call.function.arguments)
 
 
 def test_a_forced_call_follows_the_schema_on_a_real_tokenizer(servers):
@@ -103,7 +104,9 @@ def test_a_forced_call_follows_the_schema_on_a_real_tokenizer(servers):
     replies = [_openai(s).chat.completions.create(model=MODEL, messages=ask, tools=[WEATHER], temperature=0,
                                                   max_tokens=60, tool_choice="required").choices[0]
                for s in (spec, plain)]
-    [call] = replies[0].message.tool_calls
+    call = replies[0].message.tool_calls[0]  # a second call cut by max_tokens is not returned
+    assert all("_raw" not in c.function.arguments for c in replies[0].message.tool_calls)
+    assert not replies[0].message.content
     args = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and isinstance(args["city"], str)
     assert set(args) <= {"city", "unit"} and args.get("unit", "celsius") in ("celsius", "fahrenheit")

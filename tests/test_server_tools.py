@@ -293,3 +293,12 @@ def test_a_forced_call_cut_by_max_tokens_leaks_no_markup(client):
             assert json.loads(call.function.arguments) in (CALL["arguments"], {})
         if n == 1:
             assert choice.finish_reason == "length" and not choice.message.tool_calls
+
+
+def test_a_call_cut_by_the_token_limit_is_not_a_call():
+    from mlx_lm.tool_parsers import json_tools
+
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": "tr'
+    _, events, collector = _stream_events(json_tools.parse_tool_call, "<tool_call>", "</tool_call>", text)
+    assert [(e.kind, e.call.name) for e in events if e.kind in ("end", "cut")] == [("end", "a"), ("cut", "b")]
+    assert [c.name for c in collector.calls] == ["a"]

@@ -271,7 +271,7 @@ class _Blocks:
             elif item.kind == "args" and item.delta:
                 yield _event("content_block_delta", {"index": self.index, "delta": {
                     "type": "input_json_delta", "partial_json": item.delta}})
-            elif item.kind == "end":
+            elif item.kind in ("end", "cut"):
                 yield from self.close()
 
 

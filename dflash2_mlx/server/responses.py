@@ -432,11 +432,12 @@ class _Run:
                 parts.append(e.delta)
                 yield self._event("response.function_call_arguments.delta", item_id=item_id, output_index=index,
                                   delta=e.delta)
-            elif e.kind == "end":
+            elif e.kind in ("end", "cut"):
                 arguments = "".join(parts)
                 yield self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
                                   arguments=arguments)
-                output[index] = _call_item(e.call, self.spaces, arguments=arguments)
+                status = "completed" if e.kind == "end" else "incomplete"
+                output[index] = _call_item(e.call, self.spaces, status, arguments=arguments)
                 yield self._event("response.output_item.done", output_index=index, item=output[index])
 
 

@@ -38,7 +38,8 @@ class ToolCall:
 @dataclass
 class CallEvent:
     """A step of a tool call as it streams: `start` (name known), `args` (`delta`: more of the
-    arguments' JSON text; all deltas of a call join into its arguments), `end` (arguments set)."""
+    arguments' JSON text; all deltas of a call join into its arguments), `end` (arguments set),
+    or `cut` (the token limit ended the reply inside it: not a call)."""
 
     kind: str
     call: ToolCall
@@ -183,9 +184,13 @@ class ToolCallStream:
         return out
 
     def finish(self) -> list:
-        """At the end of generation: a call without its end marker is parsed as it stands."""
+        """At the end of generation: a call without its end marker is parsed as it stands; one
+        already announced that does not parse was cut by the token limit (a `cut` event)."""
         if self.inside:
             body, self.pending, self.inside = self.pending, "", False
+            if self.live is not None and self._parse(body) is None:
+                live, self.live = self.live, None
+                return [CallEvent("cut", live, self.count - 1)]
             return self._close(body, self.start + body)
         rest, self.pending = self.pending, ""
         return [rest] if rest else []
