@@ -4,7 +4,6 @@ count and dflash_config; the top-level keys converters read are there; training-
 inference-changing ones are refused by name."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from dflash2_mlx import SamplingParams, generate, load_drafter
+from dflash2_mlx import generate, load_drafter
 from dflash2_mlx.drafter import model as drafter_model
 from dflash2_mlx.drafter.vocab import (
     FILE_NAME,
