@@ -161,6 +161,25 @@ def test_fit_refuses_an_eval_set_that_is_not_held_out(target, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.usefixtures("isolated")
+def test_fit_warm_starts_a_block_8_drafter_at_block_4(target, tmp_path):
+    import json
+
+    from dflash2_mlx.drafter.load import load_drafter
+
+    teacher_forced_features(target, DOCS, (0, 2, 3), tmp_path / "data" / "feat", max_len=40, shard_size=2)
+    target_dir, drafter_dir = save_tiny_pair(tmp_path, "qwen3")
+    args = ("train", "fit", target_dir, "--data", tmp_path / "data", "--warm-start", drafter_dir, "--block-size", 4,
+            "--steps", 1, "--seqs", 1, "--anchors", 2, "--lr", 0, "--out", tmp_path / "run")
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["dflash_config"]["block_size"] == 4
+    before = dict(tree_flatten(load_drafter(drafter_dir, dtype="float32").parameters()))
+    after = dict(tree_flatten(load_drafter(tmp_path / "run", dtype="float32").parameters()))
+    assert before.keys() == after.keys()
+    assert all(mx.array_equal(before[k], after[k]).item() for k in before)  # lr 0: the warm start's weights
+
+
 def test_short_eval_items_match_whole_and_long_ones_by_ngrams():
     flt = EvalFilter(["Write a function to add two numbers", "one two three four five six seven eight nine ten "
                       "eleven twelve"], n=10)

@@ -11,6 +11,7 @@ A compact proposal head for it: `dflash2 train draft-vocab TARGET --drafter my-d
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Annotated, Optional
@@ -74,8 +75,9 @@ def prepare_data(
                                                            "conversation list (training takes them from the front) "
                                                            "and synthetic ones from another seed stream: an "
                                                            "evaluation set for fit --eval-data.")] = False,
-    worker: Annotated[str, typer.Option("--worker", help="K/N: this process generates segments s with s % N == K, "
-                                                        "so N processes (one per core) can share a run.")] = "0/1",
+    worker: Annotated[str, typer.Option("--worker", help="K/N: this process generates (or with "
+                                                        "--rebuild-features remakes) segments s with s % N == K, so "
+                                                        "N processes (one per core) can share a run.")] = "0/1",
     exclude: Annotated[Optional[Path], typer.Option("--exclude", help="Another run's directory: none of its "
                                                     "prompts is used here (a held-out set must not share a "
                                                     "templated prompt with the training run).")] = None,
@@ -109,7 +111,8 @@ def prepare_data(
     fresh = not (out / onpolicy.RUN_FILE).exists()
     prompts = onpolicy.start_run(out, settings, _mixed_prompts(target, settings) if fresh else None)
     if rebuild_features:
-        paths = onpolicy.rebuild_features(target, out, tuple(layer_ids), top_k=top_k, part_size=shard_size)
+        paths = onpolicy.rebuild_features(target, out, tuple(layer_ids), top_k=top_k, part_size=shard_size,
+                                          worker=(int(k), int(n)))
         summary = {"rebuilt_shards": [str(p) for p in paths]}
     else:
         summary = onpolicy.generate_run(target, out, prompts, tuple(layer_ids), segment_size=segment_size,
@@ -206,7 +209,8 @@ def fit(
     out: Annotated[Path, typer.Option("--out", help="Drafter output directory.")] = Path("drafter"),
     arch: Annotated[str, typer.Option("--arch", help="dflash2 (selector + convs) or dflash (v1).")] = "dflash2",
     layers: Annotated[int, typer.Option("--layers", min=1)] = 2,
-    block_size: Annotated[int, typer.Option("--block-size", min=2)] = 8,
+    block_size: Annotated[Optional[int], typer.Option("--block-size", min=2, help="Block the drafter trains at "
+                                                      "(default 8; with --warm-start, the drafter's own).")] = None,
     selector_rank: Annotated[int, typer.Option("--selector-rank", min=1)] = 64,
     top_k: Annotated[int, typer.Option("--top-k", min=1, help="Selector candidates per position.")] = 16,
     mask_token_id: Annotated[Optional[int], typer.Option("--mask-token-id")] = None,
@@ -308,9 +312,12 @@ def fit(
             raise typer.BadParameter(f"--init-from drafter taps {list(drafter.config.target_layer_ids)} != data "
                                      f"taps {taps}")
     else:
-        config = new_config(target, arch, n_layers=layers, block_size=block_size, target_layer_ids=taps,
+        config = new_config(target, arch, n_layers=layers, block_size=block_size or 8, target_layer_ids=taps,
                             mask_token_id=mask_token_id, selector_rank=selector_rank, selector_top_k=top_k)
         drafter = new_drafter(config, seed)
+    if block_size is not None and block_size != drafter.config.block_size:
+        # no weight depends on the block, so a drafter trained at 8 can go on at 4
+        drafter.config = dataclasses.replace(drafter.config, block_size=block_size)
     vocab, vocab_doc = _train_vocab(train_vocab, train_vocab_size, target.info.vocab_size)
     cfg = TrainConfig(steps=steps, seqs_per_batch=seqs, anchors_per_seq=anchors, lr=lr, eval_every=eval_every,
                       save_every=save_every, seed=seed, freeze_backbone=freeze_backbone, ce_weight=ce_weight,

@@ -17,7 +17,11 @@ stage_data() {
   wait
 }
 rebuild_features() {
-  dflash2 train prepare-data smollm2-demo --out $D/pool --n-prompts 16384 --taps $TAPS --rebuild-features
+  for k in 0 1; do
+    dflash2 train prepare-data smollm2-demo --out $D/pool --n-prompts 16384 --taps $TAPS --rebuild-features \
+        --worker $k/2 &
+  done
+  wait
   dflash2 train prepare-data smollm2-demo --out $D/eval --heldout --n-prompts 128 --segment-size 64 \
       --taps $TAPS --exclude $D/pool --rebuild-features
 }
