@@ -376,7 +376,8 @@ def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:
 
 
 def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, params: SamplingParams,
-              prompt_cache=None, *, kv_bits: int | None = None, top_logprobs: int | None = None,
+              prompt_cache=None, *, kv_bits: int | None = None, kv_group_size: int | None = None,
+              top_logprobs: int | None = None,
               overlap: bool = False, constraint=None, prompt_len: int | None = None):
     """A checked `_Run` for `ids` and what the caches already cover: (run, n_cached, mark).
 
@@ -388,12 +389,12 @@ def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, para
     seed = params.seed if params.seed is not None else random.getrandbits(63)
     n_cached, mark = 0, None
     if prompt_cache is not None:
-        prompt_cache.check(target, drafter, width, kv_bits)
+        prompt_cache.check(target, drafter, width, kv_bits, kv_group_size)
         n_cached = prompt_cache.reuse(ids, prompt_len).n_cached
         target_cache, context = prompt_cache.target_cache, prompt_cache.context
         mark = prompt_cache.take_mark if prompt_cache.needs_mark else None
     else:
-        target_cache = target.make_cache(reserve=max(width, 1), kv_bits=kv_bits)
+        target_cache = target.make_cache(reserve=max(width, 1), kv_bits=kv_bits, kv_group_size=kv_group_size)
         context = drafter.begin() if drafter is not None else None
     run = _Run(
         target=target, drafter=drafter, params=params, key=mx.random.key(seed), target_cache=target_cache,
@@ -408,7 +409,7 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
                     sampling: SamplingParams | None = None, prompt_cache=None, block_size: int | None = None,
                     stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
                     prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy=None, kv_bits: int | None = None,
-                    on_prefill=None, pipelined: bool = True, top_logprobs: int | None = None,
+                    kv_group_size: int | None = None, on_prefill=None, pipelined: bool = True, top_logprobs: int | None = None,
                     overlap: bool | None = None, constraint=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
@@ -427,7 +428,10 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
         block_policy: optional object choosing the width of each cycle, with
             `next_width(max_width) -> int` (1 = a plain decoding step) and
             `observe(cycle: CycleStats)`; `block_size` is then the largest width.
-        kv_bits: quantize the target's full-attention KV cache to 4 or 8 bits.
+        kv_bits: quantize the target's full-attention KV cache to 4 or 8 bits (mlx-lm's
+            QuantizedKVCache; output equals plain decoding with the same quantization).
+        kv_group_size: its quantization group (32, 64 or 128; default 64, or 32 where 64
+            does not divide the head dimension).
         on_prefill: optional `(n_done, n_total) -> bool | None`, called before each prompt
             chunk; returning False cancels: the generator ends without yielding anything.
         pipelined: plain steps (without penalties) queue the next step before reading the last
@@ -452,7 +456,7 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
     overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
     run, n_cached, mark = start_run(target, drafter, ids, max_tokens, width, params, prompt_cache, kv_bits=kv_bits,
-                                    top_logprobs=top_logprobs, overlap=overlap, constraint=constraint)
+                                    kv_group_size=kv_group_size, top_logprobs=top_logprobs, overlap=overlap, constraint=constraint)
     events = _generate(run, ids, n_cached, mark, max_tokens, width, stop, prefill_step_size, block_policy,
                        on_prefill, pipelined)
     if prompt_cache is None:

@@ -59,19 +59,23 @@ class PromptCache:
         target: the `Target` it caches.
         drafter: the bound drafter whose context it keeps, or None (plain decoding).
         reserve: the widest verify block it serves and the deepest exact window trim.
-        kv_bits: quantized full-attention KV (as `stream_generate`'s `kv_bits`).
+        kv_bits, kv_group_size: quantized full-attention KV (as `stream_generate`'s).
     """
 
-    def __init__(self, target, drafter=None, reserve: int = DEFAULT_RESERVE, kv_bits: int | None = None):
+    def __init__(self, target, drafter=None, reserve: int = DEFAULT_RESERVE, kv_bits: int | None = None,
+                 kv_group_size: int | None = None):
         if reserve < 1:
             raise ConfigError(f"a prompt cache's reserve must be >= 1, got {reserve}")
         self.target, self.drafter, self.reserve, self.kv_bits = target, drafter, reserve, kv_bits
+        # the group actually used, so `check` compares like with like
+        self.kv_group_size = target.kv_group_size(kv_bits, kv_group_size) if kv_bits is not None else kv_group_size
         self.last_reuse: Reuse | None = None
         self.reset()
 
     def reset(self) -> None:
         """Forget everything: fresh caches covering no tokens."""
-        self.target_cache = self.target.make_cache(reserve=self.reserve, kv_bits=self.kv_bits)
+        self.target_cache = self.target.make_cache(reserve=self.reserve, kv_bits=self.kv_bits,
+                                                   kv_group_size=self.kv_group_size)
         self.context = self.drafter.begin(self.reserve) if self.drafter is not None else None
         self.tokens: list[int] = []
         self.prompt_len = 0  # length of the last prompt it served
@@ -88,7 +92,7 @@ class PromptCache:
 
     # -- ownership ------------------------------------------------------------------------
 
-    def check(self, target, drafter, width: int, kv_bits: int | None) -> None:
+    def check(self, target, drafter, width: int, kv_bits: int | None, kv_group_size: int | None = None) -> None:
         """Fail unless this cache was made for this target, drafter, width and KV format."""
         if target is not self.target or drafter is not self.drafter:
             raise ConfigError("this prompt cache was made for another target/drafter pair; "
@@ -97,6 +101,8 @@ class PromptCache:
             raise ConfigError(f"block size {width} exceeds the prompt cache's reserve {self.reserve}")
         if kv_bits is not None and kv_bits != self.kv_bits:
             raise ConfigError(f"kv_bits {kv_bits} differs from the prompt cache's {self.kv_bits}")
+        if kv_group_size is not None and kv_group_size != self.kv_group_size:
+            raise ConfigError(f"kv_group_size {kv_group_size} differs from the prompt cache's {self.kv_group_size}")
 
     # -- reuse ------------------------------------------------------------------------------
 
@@ -210,7 +216,7 @@ def save_prompt_cache(path, cache: PromptCache) -> None:
                    "n_tokens": ctx.n_tokens, "n_pending": len(ctx.pending)}
         arrays.update({f"pending.{j}": h for j, h in enumerate(ctx.pending)})
     meta = {"format": FORMAT, "tokens": cache.tokens, "prompt_len": cache.prompt_len, "reserve": cache.reserve,
-            "kv_bits": cache.kv_bits, "target": cache.target.path, "layers": layers, "context": context,
+            "kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group_size, "target": cache.target.path, "layers": layers, "context": context,
             "drafter": getattr(cache.drafter, "path", None) if cache.drafter is not None else None}
     with atomic_path(path) as tmp:
         mx.save_safetensors(str(tmp), arrays, {"dflash2": json.dumps(meta)})
@@ -234,7 +240,8 @@ def load_prompt_cache(path, target, drafter=None) -> PromptCache:
     if meta["target"] != target.path or meta["drafter"] != drafter_path:
         raise ConfigError(f"{path} caches target {meta['target']} with drafter {meta['drafter']}, not "
                           f"{target.path} with {drafter_path}")
-    cache = PromptCache(target, drafter, reserve=meta["reserve"], kv_bits=meta["kv_bits"])
+    cache = PromptCache(target, drafter, reserve=meta["reserve"], kv_bits=meta["kv_bits"],
+                        kv_group_size=meta.get("kv_group_size"))
     _unpack_all(path, "target", cache.target_cache, meta["layers"], arrays)
     if drafter is not None:
         ctx = meta["context"]

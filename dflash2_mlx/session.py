@@ -39,12 +39,15 @@ class Session:
     drafter: object | None
     block_size: int | str | None
     notes: list[str] = field(default_factory=list)
+    kv_bits: int | None = None  # the target's full-attention K/V quantized (every cache this session makes)
+    kv_group_size: int | None = None
     _policy: object | None = None  # one adaptive policy per session: it keeps learning across requests
 
     @classmethod
     def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
              block_size=None, progress: bool = True, dtype: str | None = None,
-             draft_vocab: int | None = None) -> "Session":
+             draft_vocab: int | None = None, kv_bits: int | None = None,
+             kv_group_size: int | None = None) -> "Session":
         from . import hub
         from .drafter.load import load_drafter
         from .target import load_target
@@ -59,7 +62,11 @@ class Session:
             draft = load_drafter(spec.drafter, target, draft_bits=bits, head_bits=defaults.get("draft_head_bits"),
                                  draft_vocab=vocab)
         size = parse_block_size(block_size if block_size is not None else defaults.get("block_size"))
-        return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=list(spec.notes))
+        if kv_bits is not None or kv_group_size is not None:
+            target.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # refuse a bad combination now
+            kv_group_size = target.kv_group_size(kv_bits, kv_group_size)
+        return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=list(spec.notes),
+                   kv_bits=kv_bits, kv_group_size=kv_group_size)
 
     # -- prompts ------------------------------------------------------------------------
 
@@ -123,7 +130,8 @@ class Session:
         width = 1 if self.drafter is None else self.drafter.config.block_size
         if isinstance(self.block_size, int):
             width = self.block_size
-        return PromptCache(self.target, self.drafter, reserve=max(DEFAULT_RESERVE, width))
+        return PromptCache(self.target, self.drafter, reserve=max(DEFAULT_RESERVE, width), kv_bits=self.kv_bits,
+                           kv_group_size=self.kv_group_size)
 
     def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),
                system: str | None = None, raw: bool = False, think: bool | None = None, **engine):
@@ -131,6 +139,7 @@ class Session:
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, system=system, raw=raw, think=think)
         width, policy = self._width_and_policy()
+        engine = {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size} | engine
         return stream_generate(self.target, ids, max_tokens, drafter=self.drafter, sampling=sampling,
                                block_size=width, stop=stop, block_policy=policy, **engine)
 
@@ -141,7 +150,8 @@ class Session:
 
     def describe(self) -> str:
         draft = "no drafter (plain decoding)" if self.drafter is None else f"drafter {self.spec.drafter}"
-        return f"{self.spec.name}: target {self.spec.target}, {draft}"
+        kv = f", {self.kv_bits}-bit K/V (groups of {self.kv_group_size})" if self.kv_bits else ""
+        return f"{self.spec.name}: target {self.spec.target}, {draft}{kv}"
 
 
 def result_to_json(session: Session, result: GenerationResult) -> dict:
@@ -152,6 +162,8 @@ def result_to_json(session: Session, result: GenerationResult) -> dict:
         "target": str(session.spec.target),
         "drafter": None if session.drafter is None else str(session.spec.drafter),
         "notes": session.notes,
+        "kv_bits": session.kv_bits,
+        "kv_group_size": session.kv_group_size,
         "text": result.text,
         "token_ids": result.tokens,
         "n_tokens": len(result.tokens),

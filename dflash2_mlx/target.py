@@ -264,28 +264,43 @@ class Target:
 
     # -- compute --------------------------------------------------------------------
 
-    def make_cache(self, reserve: int = 16, kv_bits: int | None = None) -> list:
+    def make_cache(self, reserve: int = 16, kv_bits: int | None = None, kv_group_size: int | None = None) -> list:
         """Fresh caches that can roll back up to `reserve` tokens per verify pass.
 
-        `kv_bits` (4 or 8) stores full-attention keys/values quantized (mlx-lm's QuantizedKVCache).
+        `kv_bits` (4 or 8) stores full-attention keys/values quantized (mlx-lm's QuantizedKVCache)
+        in groups of `kv_group_size` along the head dimension (default 64, or 32 where 64 does
+        not divide it). Recurrent states stay as they are (they are not K/V); a sliding-window
+        layer is refused, as mlx-lm cannot quantize its rotating cache.
         """
         base = self.base_cache()
         if kv_bits is not None:
             from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-            group = self._kv_group_size(kv_bits)
+            group = self.kv_group_size(kv_bits, kv_group_size)
+            for i, c in enumerate(base):
+                if type(c).__name__ == "RotatingKVCache":
+                    raise ConfigError(f"--kv-bits: layer {i} of {self.model_type} is a sliding-window layer "
+                                      "(RotatingKVCache), which mlx-lm cannot quantize")
             base = [QuantizedKVCache(group, kv_bits) if type(c) is KVCache else c for c in base]
+        elif kv_group_size is not None:
+            raise ConfigError(f"--kv-group-size {kv_group_size} needs --kv-bits")
         return adapt_cache(base, reserve)
 
-    def _kv_group_size(self, kv_bits: int) -> int:
-        # Quantization groups run along the head dimension; MLX supports groups of 32 and 64.
+    def kv_group_size(self, kv_bits: int, group_size: int | None = None) -> int:
+        """The quantization group for `kv_bits`, checked against the head dimension (MLX
+        quantizes in groups of 32, 64 or 128 along it)."""
         if kv_bits not in (4, 8):
             raise ConfigError(f"kv_bits must be 4 or 8, got {kv_bits}")
         args = self.args
         head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-        if head_dim % 32:
-            raise ConfigError(f"kv_bits needs a head dimension that is a multiple of 32, got {head_dim}")
-        return 64 if head_dim % 64 == 0 else 32
+        if group_size is None:
+            if head_dim % 32:
+                raise ConfigError(f"kv_bits needs a head dimension that is a multiple of 32, got {head_dim}")
+            return 64 if head_dim % 64 == 0 else 32
+        if group_size not in (32, 64, 128) or head_dim % group_size:
+            raise ConfigError(f"kv_group_size must be 32, 64 or 128 and divide the head dimension {head_dim}, "
+                              f"got {group_size}")
+        return group_size
 
     def embed(self, tokens: mx.array) -> mx.array:
         """Input embeddings as the decoder's layer 0 sees them (scale included)."""

@@ -159,7 +159,7 @@ def tiny_drafter(target: Target | None, arch: str = "dflash2", seed: int = 1, id
 
 
 def save_tiny_pair(root, family: str = "llama", arch: str = "dflash2", seed: int = 0, byte_level: bool = False,
-                   **drafter_kwargs):
+                   target_overrides: dict | None = None, **drafter_kwargs):
     """Write a tiny target (mlx-lm layout) and a tiny drafter (published layout) under `root`.
 
     Returns (target_dir, drafter_dir); both load with `load_target` / `load_drafter` and the CLI.
@@ -173,10 +173,10 @@ def save_tiny_pair(root, family: str = "llama", arch: str = "dflash2", seed: int
 
     root = Path(root)
     target_dir, drafter_dir = root / f"tiny-{family}", root / f"tiny-{family}-{arch}"
-    model = tiny_model(family, seed)
+    model = tiny_model(family, seed, **(target_overrides or {}))
     target_dir.mkdir(parents=True, exist_ok=True)
     save_model(target_dir, model)
-    (target_dir / "config.json").write_text(json.dumps(FAMILIES[family]))
+    (target_dir / "config.json").write_text(json.dumps(dict(FAMILIES[family], **(target_overrides or {}))))
     TinyTokenizer.make(byte_level)._tokenizer.save_pretrained(str(target_dir))
     save_drafter(tiny_drafter(None, arch, **drafter_kwargs), drafter_dir)
     return target_dir, drafter_dir

@@ -14,6 +14,8 @@ from .common import (
     DrafterOpt,
     DraftVocabOpt,
     JsonOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
     MaxTokensOpt,
     ModelArg,
     SeedOpt,
@@ -35,6 +37,8 @@ Examples:
   dflash2 run ./my-model "Hi" --drafter ./my-drafter --block-size 5 --json
 
   dflash2 run Qwen3.8-27B                                  # interactive chat on a TTY
+
+  dflash2 run Qwen3.8-27B "Summarize:" --kv-bits 8          # 8-bit K/V for a long prompt
 """
 
 
@@ -56,6 +60,8 @@ def run(
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
     draft_vocab: DraftVocabOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt for the chat template.")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed PROMPT as raw text.")] = False,
     think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that have one.")] = None,
@@ -71,7 +77,8 @@ def run(
     if prompt is None and model is not None and not hub.looks_like_model(model):
         prompt, model = model, None  # `dflash2 run "a prompt"` uses the default pair
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
-                           progress=not json_out, draft_vocab=draft_vocab)
+                           progress=not json_out, draft_vocab=draft_vocab, kv_bits=kv_bits,
+                           kv_group_size=kv_group_size)
     sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     warn_slow_blas()
     ready = session.prepare()

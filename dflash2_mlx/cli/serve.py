@@ -10,7 +10,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, JsonOpt, ModelArg, user_errors, warn_slow_blas
+from .common import (BlockSizeOpt, DraftBitsOpt, DrafterOpt, JsonOpt, KvBitsOpt, KvGroupSizeOpt, ModelArg, user_errors,
+                     warn_slow_blas)
 
 EXAMPLES = """
 Examples:
@@ -120,12 +121,15 @@ def serve(
                                                             "token, decode rate, tokens per cycle.")] = None,
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
     json_out: JsonOpt = False,
 ) -> None:
     from ..server import ServerConfig
     from ..server import serve as run_server
     from ..paths import parse_bytes
+    from ..server.app import check_kv_batching
     from ..server.dispatch import served_name
     from ..session import Session
 
@@ -139,8 +143,9 @@ def serve(
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
         typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "
                    "shell history); set DFLASH2_API_KEY instead", err=True)
+    check_kv_batching(kv_bits, max_batch)  # before the model loads
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
-                           progress=not json_out)
+                           progress=not json_out, kv_bits=kv_bits, kv_group_size=kv_group_size)
     warn_slow_blas()
     ready = session.prepare()  # calibrate before listening: never inside the first request
     if ready:

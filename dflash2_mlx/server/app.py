@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi_offline import FastAPIOffline
 
 from .._version import __version__
+from ..errors import ConfigError
 from . import anthropic, errors, ollama, openai_api, responses
 from .config import ServerConfig
 from .dispatch import StateDep, make_state, speculation_info
@@ -99,6 +100,14 @@ def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab
     app.openapi = openapi
 
 
+def check_kv_batching(kv_bits: int | None, max_batch: int) -> None:
+    """Quantized K/V serves one request at a time: the speculative batch's ragged rows keep
+    their K/V in full precision, so a row could not move into it exactly."""
+    if kv_bits is not None and max_batch > 1:
+        raise ConfigError(f"--kv-bits {kv_bits} needs --max-batch 1 (batched rows keep full-precision K/V), "
+                          f"got --max-batch {max_batch}")
+
+
 def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastAPI:
     """A FastAPI app serving `session` (an open `Session`).
 
@@ -108,6 +117,7 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
         aliases: more names the request `model` field may use for this pair.
     """
     config = config or ServerConfig()
+    check_kv_batching(getattr(session, "kv_bits", None), config.max_batch)
     state = make_state(session, config, aliases)
 
     @asynccontextmanager
