@@ -36,6 +36,7 @@ WARMUP_TOKENS = 16
 LOOP_WINDOW = 64
 LOOP_MAX_PERIOD = 32  # at least two exact copies in the window
 MODE_KINDS = ("ar", "dflash", "dflash2", "mlx_lm")
+KV_PROBE_TOKENS = 1024
 SCHEMA = "dflash2.bench/1"
 MIN_CYCLES = 10  # plotted acceptance from fewer cycles is drawn faded
 
@@ -207,8 +208,9 @@ def default_encoder(target) -> Callable[[Prompt], list[int]]:
     return lambda prompt: session.encode(prompt.text)
 
 
-def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams) -> RunRecord:
-    """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes."""
+def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams, kv: dict) -> RunRecord:
+    """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes;
+    with `kv` (kv_bits, kv_group_size) its K/V is quantized from the first token, as ours is."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as mlx_stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -221,7 +223,8 @@ def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParam
     tokens, text, last, t_first = [], [], None, None
     t0 = time.perf_counter()
     for r in mlx_stream_generate(target.model, target.tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                 sampler=sampler, prompt_cache=make_prompt_cache(target.model)):
+                                 sampler=sampler, prompt_cache=make_prompt_cache(target.model),
+                                 **({**kv, "quantized_kv_start": 0} if kv.get("kv_bits") else {})):
         t_first = t_first or time.perf_counter()
         if r.finish_reason != "stop" or r.token not in target.tokenizer.eos_token_ids:
             tokens.append(r.token)  # its last response repeats no token but may carry the EOS
@@ -237,10 +240,12 @@ def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParam
 
 
 def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: SamplingParams,
-             cache_dir=None) -> RunRecord:
-    """Decode `ids` with `mode`, timing from the call to the last token."""
+             cache_dir=None, kv: dict | None = None) -> RunRecord:
+    """Decode `ids` with `mode`, timing from the call to the last token; `kv` holds `kv_bits`
+    and `kv_group_size` (quantized K/V) or is empty."""
+    kv = kv or {}
     if mode.kind == "mlx_lm":
-        record = _run_mlx_lm(target, ids, max_tokens, sampling)
+        record = _run_mlx_lm(target, ids, max_tokens, sampling, kv)
         record.mode = mode.name
         return record
     policy = mode.policy(target, cache_dir)  # before the clock: may load or measure a calibration
@@ -248,7 +253,7 @@ def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: Samp
     t0 = time.perf_counter()
     t_first = None
     for ev in stream_generate(target, ids, drafter=mode.drafter, max_tokens=max_tokens, sampling=sampling,
-                              block_size=mode.width(), block_policy=policy):
+                              block_size=mode.width(), block_policy=policy, **kv):
         if t_first is None:
             t_first = time.perf_counter()
         tokens.extend(ev.tokens)
@@ -374,6 +379,18 @@ def isolated_costs(target, mode: Mode, n_context: int, repeats: int = 3) -> dict
             "verify_ms": 1e3 * costs.target_s[width - 1]}
 
 
+def kv_bytes_per_token(target, ids: list[int], kv: dict, n: int = KV_PROBE_TOKENS) -> float:
+    """The target caches' bytes per token after a prefill of the first `n` tokens of `ids`
+    (with `kv`'s quantization): what a long prompt costs in memory, per token."""
+    from .prompt_cache import PromptCache
+
+    cache = PromptCache(target, None, reserve=1, **kv)
+    ids = ids[:n]
+    for _ in stream_generate(target, ids, max_tokens=1, prompt_cache=cache):
+        pass
+    return cache.nbytes / len(cache.tokens)
+
+
 def _mark_matches(records: list[RunRecord]) -> None:
     ar = {(r.suite, r.prompt_id): r.tokens for r in records if r.mode == "ar"}
     for r in records:
@@ -385,7 +402,8 @@ def _mark_matches(records: list[RunRecord]) -> None:
 def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens: int = DEFAULT_MAX_TOKENS,
               sampling: SamplingParams | None = None, encode: Callable[[Prompt], list[int]] | None = None,
               warmup: bool = True, on_run: Callable[[RunRecord], None] | None = None,
-              cache_dir=None, isolated: bool = True) -> BenchReport:
+              cache_dir=None, isolated: bool = True, kv_bits: int | None = None,
+              kv_group_size: int | None = None) -> BenchReport:
     """Decode every prompt of every suite with every mode, interleaved; see the module doc.
 
     Args:
@@ -395,7 +413,9 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
         encode: Prompt -> token ids (default: the target's chat template).
         on_run: called after each run (progress).
         cache_dir: where `auto` block policies keep their calibration (default: user cache).
-        isolated: also time each fixed-width mode's drafter pass and verify pass alone.
+        isolated: also time each fixed-width mode's drafter pass and verify pass alone
+            (with full-precision K/V).
+        kv_bits, kv_group_size: every mode's target K/V quantized (mlx_lm's too).
     """
     names = [m.name for m in modes]
     if len(set(names)) != len(names):
@@ -408,15 +428,19 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
     if not prompts:
         raise ConfigError("no prompts to benchmark")
     encoded = [encode(p) for p in prompts]
+    kv = {}
+    if kv_bits is not None:
+        target.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # refuse a bad combination first
+        kv = {"kv_bits": kv_bits, "kv_group_size": target.kv_group_size(kv_bits, kv_group_size)}
     if warmup:
         for mode in modes:
-            run_once(target, mode, encoded[0], min(WARMUP_TOKENS, max_tokens), sampling, cache_dir)
+            run_once(target, mode, encoded[0], min(WARMUP_TOKENS, max_tokens), sampling, cache_dir, kv)
     base_seed = sampling.seed if sampling.seed is not None else 0
     records = []
     for j, (prompt, ids) in enumerate(zip(prompts, encoded)):
         params = sampling if sampling.greedy else dataclasses.replace(sampling, seed=base_seed + j)
         for mode in modes[j % len(modes):] + modes[: j % len(modes)]:
-            record = run_once(target, mode, ids, max_tokens, params, cache_dir)
+            record = run_once(target, mode, ids, max_tokens, params, cache_dir, kv)
             record.suite, record.prompt_id = prompt.suite, prompt.id
             records.append(record)
             if on_run is not None:
@@ -429,8 +453,10 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
         for info, mode in zip(described, modes):
             info["isolated"] = isolated_costs(target, mode, n_context)
     settings = {"max_tokens": max_tokens, "sampling": sampling.to_dict(), "warmup": warmup,
+                "kv_cache_bytes_per_token": kv_bytes_per_token(target, encoded[0], kv),
                 "loop_window": LOOP_WINDOW, "loop_max_period": LOOP_MAX_PERIOD,
-                "n_prompts": len(prompts), "interleaved": True}
+                "n_prompts": len(prompts), "interleaved": True, "kv_bits": kv.get("kv_bits"),
+                "kv_group_size": kv.get("kv_group_size")}
     suites_info = [{"name": s.name, "source": s.source, "available": s.available, "n": len(s.prompts)}
                    for s in suites]
     return BenchReport(settings=settings, suites=suites_info, modes=described,

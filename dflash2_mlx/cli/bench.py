@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import BlockSizeOpt, DraftBitsOpt, DrafterOpt, DraftVocabOpt, ModelArg, SeedOpt, TempOpt, TopPOpt, print_json, \
-    user_errors, warn_slow_blas
+from .common import (BlockSizeOpt, DraftBitsOpt, DrafterOpt, DraftVocabOpt, KvBitsOpt, KvGroupSizeOpt, ModelArg,
+                     SeedOpt, TempOpt, TopPOpt, print_json, user_errors, warn_slow_blas)
 
 EXAMPLES = """
 Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]mlx_lm[/bold] = mlx_lm.stream_generate \
@@ -35,6 +35,8 @@ Examples:
 
   dflash2 bench --suite my_prompts.jsonl --json -      # your prompts; JSON on stdout
 
+  dflash2 bench --context 4096,16384 --n 2 --modes mlx_lm,ar,dflash2@4 --kv-bits 8   # agent-sized prompts
+
   dflash2 bench --calibrate               # re-measure the costs behind 'auto'
 """
 
@@ -49,8 +51,13 @@ def register(app: typer.Typer) -> None:
 @user_errors
 def bench(
     model: ModelArg = None,
-    suite: Annotated[str, typer.Option("--suite", "-s", help="Comma-separated suites: gsm8k, math500, humaneval, "
-                                       "mbpp, mtbench, 'all', or .jsonl files of {\"prompt\": ...}.")] = "all",
+    suite: Annotated[Optional[str], typer.Option("--suite", "-s", help="Comma-separated suites: gsm8k, math500, "
+                                                 "humaneval, mbpp, mtbench, 'all', or .jsonl files of "
+                                                 "{\"prompt\": ...}. [default: all, or none with --context]")] = None,
+    context: Annotated[Optional[str], typer.Option("--context", metavar="N[,N...]", help="Long-context suites: "
+                                                   "prompts of about N tokens (this package's own sources and a "
+                                                   "question about them), e.g. 4096,16384; read prefill tok/s, "
+                                                   "TTFT and peak memory beside decode speed.")] = None,
     n: Annotated[int, typer.Option("--n", min=1, help="Prompts per suite (evenly spaced over the set).")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 256,
     modes: Annotated[Optional[str], typer.Option("--modes", "-m", help="Comma-separated modes: ar, dflash, "
@@ -65,6 +72,8 @@ def bench(
     top_p: TopPOpt = 1.0,
     seed: SeedOpt = None,
     block_size: BlockSizeOpt = None,
+    kv_bits: KvBitsOpt = None,
+    kv_group_size: KvGroupSizeOpt = None,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write every raw figure as JSON to this file "
                                                     "('-' = stdout, tables then go to stderr).")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a PNG of acceptance by block position "
@@ -82,7 +91,8 @@ def bench(
 
     size = parse_block_size(block_size)
     requested = lib.parse_modes(modes or DEFAULT_MODES)
-    suites = load_suites(parse_suites(suite), n, bundled_only=bundled)
+    lengths = _context_lengths(context)
+    suites = load_suites(parse_suites(suite or "all"), n, bundled_only=bundled) if suite or not lengths else []
     sampling = SamplingParams(temperature=temp, top_p=top_p, seed=seed)
     if plot is not None:
         _require_matplotlib()
@@ -93,12 +103,17 @@ def bench(
     if calibrate:
         warn_slow_blas()
         return _calibrate(target, drafters, out, size)
+    if lengths:
+        from ..long_context import context_suite
+
+        suites += [context_suite(target.tokenizer, lib.default_encoder(target), k, n) for k in lengths]
     mode_list, mode_notes = lib.build_modes(requested, drafters, size, required=modes is not None)
     warn_slow_blas()
     notes += mode_notes
     for note in notes:
         err.print(f"[yellow]note:[/yellow] {note}")
-    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err)
+    kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
+    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err, kv)
     report.notes = notes
     report.settings.update(model=spec.name, target=str(spec.target), suites=[s.name for s in suites], n=n)
     render_report(report, out)
@@ -190,7 +205,18 @@ def _registry_v1_drafter(spec, progress: bool):
 # -- running ----------------------------------------------------------------------------
 
 
-def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console):
+def _context_lengths(value: str | None) -> list[int]:
+    if not value:
+        return []
+    from ..errors import ConfigError
+
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise ConfigError(f"--context takes token counts like 4096,16384, got {value!r}") from None
+
+
+def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
         TimeRemainingColumn
 
@@ -205,7 +231,7 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
                                                            f"{record.decode_tps:.1f} tok/s")
 
         return lib.run_bench(target, modes, suites, max_tokens=max_tokens, sampling=sampling, warmup=warmup,
-                             on_run=on_run)
+                             on_run=on_run, **kv)
 
 
 def _calibrate(target, drafters, console, size) -> None:
@@ -307,6 +333,9 @@ def render_report(report, console) -> None:
         console.print(acceptance_table(summary))
     for s in report.suites:
         console.print(f"prompts {s['name']}: {s['source']}")
+    settings = report.settings
+    kv = f"{settings['kv_bits']}-bit (groups of {settings['kv_group_size']})" if settings.get("kv_bits") else "full"
+    console.print(f"target K/V: {kv}, {settings['kv_cache_bytes_per_token'] / 1024:.1f} KiB per token of context")
     loops = report.looping_prompts()
     if loops:
         console.print(f"looping outputs (last {report.settings['loop_window']} tokens repeat): "
