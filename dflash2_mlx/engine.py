@@ -143,6 +143,12 @@ class _Run:
     queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
     decided: int | None = None  # the next cycle's width, picked while that token was queued
     constraint: object | None = None  # a GrammarConstraint masking the target's rows, or None
+    lockstep: object | None = None  # a `distributed.Lockstep` when the target is sharded over processes
+
+    @property
+    def follows(self) -> bool:
+        """A rank other than 0 of a sharded target: it verifies what rank 0 drafts and decides."""
+        return self.lockstep is not None and not self.lockstep.leader
 
     def next_key(self) -> mx.array:
         self.key, sub = mx.random.split(self.key)
@@ -254,6 +260,8 @@ def _queue_plain(run: _Run, token_in: mx.array) -> tuple:
     """Queue one plain decoding step after `token_in` (host or lazy); (token, logprobs) stay lazy."""
     logits, hidden = run.target.forward(token_in.reshape(1, 1), run.target_cache, run.taps, "last")
     token, rows = _choose(run, logits[0], [], run.next_key())
+    if run.lockstep is not None:
+        token = run.lockstep.share(token)
     run.fed += 1
     if hidden is not None:
         run.context.feed(hidden)
@@ -281,9 +289,13 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     """One draft-verify cycle. With `run.overlap` the drafts compute while the host builds the
     verify graph, and the verify is queued right behind them; otherwise the drafts are
     evaluated first. Either way, waiting on the drafts tells their finish time (`draft_s`) apart."""
+    if run.follows:
+        return _follow_speculative(run, width)
     t0 = time.perf_counter()
     anchor = run.history[-1]
     proposal, drafts, allowed, grammar_s = propose(run, width)
+    if run.lockstep is not None:  # the same drafts on every rank, then (accepted, next) below
+        drafts = run.lockstep.share(drafts)
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
@@ -295,6 +307,8 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     mx.eval(*outputs)
     draft_list = drafts.tolist()
     n_acc, nxt = accepted(run, draft_list, outputs)
+    if run.lockstep is not None:
+        n_acc, nxt = run.lockstep.share(mx.array([n_acc, nxt])).tolist()
     run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
     run.context.feed(hidden[:, : n_acc + 1])
     run.fed += n_acc + 1
@@ -302,6 +316,23 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     t2 = time.perf_counter()
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
         _logprob_list(info, emitted)
+
+
+def _follow_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats, None]:
+    """A following rank's cycle: verify rank 0's drafts (the collective half of the pass) and
+    keep what rank 0 decided."""
+    t0 = time.perf_counter()
+    drafts = run.lockstep.share(mx.zeros((width - 1,), mx.int32))
+    run.target.arm(run.target_cache)
+    verify_in = mx.concatenate([mx.array([run.history[-1]], dtype=mx.int32), drafts])[None]
+    logits, _ = run.target.forward(verify_in, run.target_cache, (), "last")
+    mx.eval(logits)  # the whole pass, so its collectives match rank 0's (which reads every row)
+    t1 = time.perf_counter()
+    n_acc, nxt = run.lockstep.share(mx.zeros((2,), mx.int32)).tolist()
+    run.target.commit(run.target_cache, n_fed=width, n_keep=n_acc + 1)
+    run.fed += n_acc + 1
+    emitted = drafts.tolist()[:n_acc] + [nxt]
+    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), 0.0, time.perf_counter() - t1 + t1 - t0), None
 
 
 def propose(run: _Run, width: int):
@@ -378,7 +409,7 @@ def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:
 def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, params: SamplingParams,
               prompt_cache=None, *, kv_bits: int | None = None, kv_group_size: int | None = None,
               top_logprobs: int | None = None,
-              overlap: bool = False, constraint=None, prompt_len: int | None = None):
+              overlap: bool = False, constraint=None, prompt_len: int | None = None, lockstep=None):
     """A checked `_Run` for `ids` and what the caches already cover: (run, n_cached, mark).
 
     With `prompt_cache`, the caches are its own, brought to the longest prefix of `ids` they
@@ -400,7 +431,7 @@ def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, para
         target=target, drafter=drafter, params=params, key=mx.random.key(seed), target_cache=target_cache,
         context=context, taps=tuple(drafter.config.target_layer_ids) if drafter is not None else (),
         history=list(ids), processors=make_processors(params), fed=n_cached, top_logprobs=top_logprobs,
-        overlap=overlap, constraint=constraint,
+        overlap=overlap, constraint=constraint, lockstep=lockstep,
     )
     return run, n_cached, mark
 
@@ -410,7 +441,7 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
                     stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
                     prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy=None, kv_bits: int | None = None,
                     kv_group_size: int | None = None, on_prefill=None, pipelined: bool = True, top_logprobs: int | None = None,
-                    overlap: bool | None = None, constraint=None):
+                    overlap: bool | None = None, constraint=None, lockstep=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -447,6 +478,9 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
         prompt_cache: a `PromptCache` for this target and drafter: generation starts from the
             longest prefix of the prompt it reaches exactly and leaves it covering prompt and
             reply (events report `cached_tokens`). Output equals a cold run's.
+        lockstep: a `distributed.Lockstep` when `target` is sharded over launched processes:
+            every rank calls this with the same prompt; rank 0 passes the drafter, the others
+            none, and rank 0's width and limit hold for all (see `distributed.py`).
     """
     if prompt is None or hasattr(prompt, "draft"):
         raise TypeError("stream_generate(target, prompt, max_tokens, *, drafter=...): the drafter is a "
@@ -454,14 +488,27 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
     params = sampling or SamplingParams()
     ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
+    if lockstep is not None:
+        width, max_tokens = _agree(lockstep, ids, width, max_tokens, block_policy, prompt_cache)
     overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
     run, n_cached, mark = start_run(target, drafter, ids, max_tokens, width, params, prompt_cache, kv_bits=kv_bits,
-                                    kv_group_size=kv_group_size, top_logprobs=top_logprobs, overlap=overlap, constraint=constraint)
+                                    kv_group_size=kv_group_size, top_logprobs=top_logprobs, overlap=overlap,
+                                    constraint=constraint, lockstep=lockstep)
     events = _generate(run, ids, n_cached, mark, max_tokens, width, stop, prefill_step_size, block_policy,
                        on_prefill, pipelined)
     if prompt_cache is None:
         return events
     return _tracked(events, run, prompt_cache)
+
+
+def _agree(lockstep, ids: list[int], width: int, max_tokens: int, block_policy, prompt_cache) -> tuple[int, int]:
+    """Rank 0's width and token limit for every rank; a different prompt length is refused."""
+    if block_policy is not None or prompt_cache is not None:
+        raise ConfigError("a sharded target decodes at a fixed --block-size and without a prompt cache")
+    width_0, max_tokens_0, n_ids_0 = lockstep.share(mx.array([width, max_tokens, len(ids)])).tolist()
+    if n_ids_0 != len(ids):
+        raise ConfigError(f"rank {lockstep.rank} has a prompt of {len(ids)} tokens, rank 0 one of {n_ids_0}")
+    return width_0, max_tokens_0
 
 
 def _tracked(events, run: _Run, prompt_cache):
@@ -492,6 +539,8 @@ def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, w
             if logits is None:
                 return
             first_arr, rows = _choose(run, logits[0], [], run.next_key())
+            if run.lockstep is not None:
+                first_arr = run.lockstep.share(first_arr)
             first = int(first_arr.item())
             first_lp = _logprob_list(_logprobs(run, rows, first_arr), [first])
         prompt_tps = (len(ids) - n_cached) / (time.perf_counter() - tic)
@@ -535,7 +584,7 @@ def _commit(run: _Run, emitted: list[int], finish: str | None) -> str | None:
 def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:
     """The next cycle's width: 1 (plain) without a drafter, else the policy's or the cap."""
     cap = min(width, left)  # never draft past max_tokens
-    if run.drafter is None:
+    if run.drafter is None and not run.follows:
         return 1
     return min(block_policy.next_width(cap), cap) if block_policy is not None else cap
 

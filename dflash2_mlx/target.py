@@ -402,7 +402,7 @@ def _cast(model: nn.Module, dtype) -> None:
 
 
 def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_replay: bool = True,
-                stacked_replay: bool = True) -> Target:
+                stacked_replay: bool = True, lockstep=None) -> Target:
     """Load a target: an alias (`dflash2 models`), an mlx-lm model directory, a .gguf file or a
     Hugging Face repo id, resolved as the CLI's MODEL is (`hub.target_dir`). An alias brings
     its registry defaults (e.g. the demo's float32), as `dflash2 run` applies them.
@@ -410,6 +410,8 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
     Args:
         dtype: cast floating weights ("float32", "bfloat16", "float16") except those the
             family keeps (its `cast_predicate`, as mlx-lm's convert does); None keeps them.
+        lockstep: a `distributed.Lockstep`: shard the decoder layers over its group
+            (tensor parallel) before wrapping.
     """
     from mlx_lm import load
 
@@ -421,5 +423,9 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         _cast(model, getattr(mx, dtype))
+    if lockstep is not None:
+        from .distributed import shard_model
+
+        shard_model(model, lockstep)
     return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay,
                   stacked_replay=stacked_replay)

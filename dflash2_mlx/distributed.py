@@ -1,0 +1,87 @@
+"""Speculation over a target sharded across processes (`mlx.launch`, any MLX backend).
+
+Every rank holds a tensor-parallel shard of the target (mlx-lm's `Model.shard`) and runs the
+same decoding loop in lockstep; rank 0 alone holds the drafter and is authoritative: it drafts,
+decides acceptance and samples, and each cycle shares the drafts and then (accepted count, next
+token) with the others as small int arrays (an `all_sum` in which only rank 0 contributes). The
+verify pass itself is collective (the shards' all-reduces), so every rank's caches see the same
+tokens, and each rolls its own back (recurrent layers included) by the shared count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .errors import ConfigError
+
+
+@dataclass
+class Lockstep:
+    """This process's place in a launched group, and the one collective the decoder adds."""
+
+    group: object  # mx.distributed.Group
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def share(self, x: mx.array) -> mx.array:
+        """Rank 0's `x` on every rank (int32; the others' values are ignored). The others send
+        `x * 0`, not fresh zeros, so that they evaluate `x`'s graph, and so every collective in
+        it, exactly as rank 0 does: ranks must run the same collectives in the same order."""
+        x = x.astype(mx.int32)
+        return mx.distributed.all_sum(x if self.leader else x * 0, group=self.group)
+
+    def describe(self, mode: str = "tensor") -> dict:
+        return {"size": self.size, "rank": self.rank, "backend": backend_name(), "mode": mode}
+
+
+def backend_name() -> str:
+    """The backend `mlx.launch` set up, read from the variables it exports for each."""
+    import os
+
+    if os.environ.get("MLX_JACCL_COORDINATOR") or os.environ.get("MLX_IBV_DEVICES"):
+        return "jaccl"
+    if os.environ.get("OMPI_COMM_WORLD_SIZE"):
+        return "mpi"
+    if os.environ.get("MLX_HOSTFILE"):
+        return "ring"
+    return "unknown"
+
+
+def launched() -> Lockstep | None:
+    """The group this process was launched into by `mlx.launch`, or None when it runs alone."""
+    if not mx.distributed.is_available():
+        return None
+    group = mx.distributed.init()
+    return Lockstep(group) if group.size() > 1 else None
+
+
+def shard_model(model, lockstep: Lockstep) -> None:
+    """Tensor-parallel shards of `model`'s decoder layers over the group (mlx-lm's own `shard`).
+    The output head stays whole on every rank: the drafter shares it, and rank 0 reads every
+    row's full logits (mlx-lm shards some heads by vocabulary and gathers them in its own call)."""
+    if not hasattr(model, "shard"):
+        raise ConfigError(f"mlx-lm cannot shard a {getattr(model, 'model_type', type(model).__name__)} model "
+                          "(no Model.shard); run it on one machine")
+    owners = [m for m in (model, getattr(model, "language_model", None)) if m is not None and "lm_head" in m]
+    heads = [(m, m.lm_head) for m in owners]
+    try:
+        model.shard(lockstep.group)
+    except AssertionError as e:  # mlx-lm asserts what it cannot split (heads, vocabulary)
+        raise ConfigError(f"cannot shard this model over {lockstep.size} ranks: {e}") from None
+    for owner, head in heads:
+        owner.lm_head = head
+        if hasattr(owner, "sharding_group"):
+            owner.sharding_group = None
+    mx.eval(model.parameters())

@@ -1,0 +1,47 @@
+"""One rank of a sharded tiny target, run by test_distributed.py under `mlx.launch -n 2 --backend
+ring`: decodes plainly and speculatively (drafter on rank 0 only) and writes what it emitted."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from test_engine import ScriptedDrafter  # noqa: E402
+from tiny import FAMILIES, TinyTokenizer, tiny_drafter, tiny_model  # noqa: E402
+
+from dflash2_mlx import SamplingParams, generate  # noqa: E402
+from dflash2_mlx.distributed import launched, shard_model  # noqa: E402
+from dflash2_mlx.target import Target  # noqa: E402
+
+PROMPT = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12, 18, 6, 27, 33, 8, 11]
+N = 24
+
+
+def main(family: str, out: Path) -> None:
+    lockstep = launched()
+    assert lockstep is not None and lockstep.size == 2, "launch with mlx.launch -n 2"
+    # qwen3_5's shard splits an untied head by vocabulary, which the tiny vocab (97) cannot divide
+    model = tiny_model(family, **({"text_config": dict(FAMILIES[family]["text_config"], tie_word_embeddings=True)}
+                                  if family == "qwen3_5" else {}))
+    shard_model(model, lockstep)
+    target = Target(model, TinyTokenizer.make(), path=f"tiny-{family}")
+    lead = lockstep.leader
+    drafter = tiny_drafter(target, "dflash2", block_size=4) if lead else None
+    run = dict(max_tokens=N, lockstep=lockstep)
+    plain = generate(target, PROMPT, **run)
+    spec = generate(target, PROMPT, drafter=drafter, block_size=4, **run)
+    scripted = ScriptedDrafter(target, PROMPT + plain.tokens + [3] * 32, 4) if lead else None
+    partial = generate(target, PROMPT, drafter=scripted, block_size=4, **run)
+    seeded = [generate(target, PROMPT, drafter=drafter, block_size=4, sampling=SamplingParams(temperature=0.8, seed=5),
+                       **run).tokens for _ in range(2)]
+    seeded_plain = generate(target, PROMPT, sampling=SamplingParams(temperature=0.8, seed=5), **run).tokens
+    (out / f"rank{lockstep.rank}.json").write_text(json.dumps({
+        "rank": lockstep.rank, "info": lockstep.describe(), "plain": plain.tokens, "spec": spec.tokens,
+        "spec_accepted": [c.n_accepted for c in spec.speculative_cycles], "partial": partial.tokens,
+        "partial_accepted": [c.n_accepted for c in partial.speculative_cycles], "seeded": seeded,
+        "seeded_plain": seeded_plain}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))
