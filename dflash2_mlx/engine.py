@@ -489,7 +489,8 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
     ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
     if lockstep is not None:
-        width, max_tokens = _agree(lockstep, ids, width, max_tokens, block_policy, prompt_cache)
+        width, max_tokens = _agree(lockstep, ids, width if drafter is not None else 1, max_tokens, block_policy,
+                                   prompt_cache)
     overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
     run, n_cached, mark = start_run(target, drafter, ids, max_tokens, width, params, prompt_cache, kv_bits=kv_bits,
                                     kv_group_size=kv_group_size, top_logprobs=top_logprobs, overlap=overlap,

@@ -41,32 +41,41 @@ class Session:
     notes: list[str] = field(default_factory=list)
     kv_bits: int | None = None  # the target's full-attention K/V quantized (every cache this session makes)
     kv_group_size: int | None = None
+    lockstep: object | None = None  # a `distributed.Lockstep` when launched sharded over processes
     _policy: object | None = None  # one adaptive policy per session: it keeps learning across requests
 
     @classmethod
     def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
              block_size=None, progress: bool = True, dtype: str | None = None,
              draft_vocab: int | None = None, kv_bits: int | None = None,
-             kv_group_size: int | None = None) -> "Session":
+             kv_group_size: int | None = None, distributed: bool = True) -> "Session":
         from . import hub
         from .drafter.load import load_drafter
         from .target import load_target
 
-        spec = hub.resolve(model, drafter, progress=progress)
+        from .distributed import launched
+
+        lockstep = launched() if distributed else None
+        spec = hub.resolve(model, drafter, progress=progress and (lockstep is None or lockstep.leader))
         defaults = dict(spec.defaults)
-        target = load_target(spec.target, dtype=dtype or defaults.get("dtype"))
+        target = load_target(spec.target, dtype=dtype or defaults.get("dtype"), lockstep=lockstep)
         bits = draft_bits if draft_bits is not None else defaults.get("draft_bits")
         draft = None
-        if spec.drafter is not None:
+        if spec.drafter is not None and (lockstep is None or lockstep.leader):  # rank 0 alone drafts
             vocab = draft_vocab if draft_vocab is not None else defaults.get("draft_vocab")
             draft = load_drafter(spec.drafter, target, draft_bits=bits, head_bits=defaults.get("draft_head_bits"),
                                  draft_vocab=vocab)
         size = parse_block_size(block_size if block_size is not None else defaults.get("block_size"))
+        notes = list(spec.notes)
+        if lockstep is not None and size == "auto":  # measured per process: ranks would disagree
+            size = None
+            notes.append("a sharded target decodes at a fixed width: the drafter's trained block size (pass "
+                         "--block-size N to choose it)")
         if kv_bits is not None or kv_group_size is not None:
             target.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # refuse a bad combination now
             kv_group_size = target.kv_group_size(kv_bits, kv_group_size)
-        return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=list(spec.notes),
-                   kv_bits=kv_bits, kv_group_size=kv_group_size)
+        return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=notes,
+                   kv_bits=kv_bits, kv_group_size=kv_group_size, lockstep=lockstep)
 
     # -- prompts ------------------------------------------------------------------------
 
@@ -114,6 +123,8 @@ class Session:
                 "follows the measured acceptance, down to plain decoding when drafts do not pay")
 
     def _width_and_policy(self):
+        if self.lockstep is not None:  # a fixed width; the engine gives every rank rank 0's
+            return self.block_size or (self.drafter.config.block_size if self.drafter is not None else None), None
         if self.drafter is None:
             return None, None
         if self.block_size == "auto":
@@ -139,7 +150,7 @@ class Session:
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, system=system, raw=raw, think=think)
         width, policy = self._width_and_policy()
-        engine = {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size} | engine
+        engine = {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size, "lockstep": self.lockstep} | engine
         return stream_generate(self.target, ids, max_tokens, drafter=self.drafter, sampling=sampling,
                                block_size=width, stop=stop, block_policy=policy, **engine)
 
@@ -151,6 +162,9 @@ class Session:
     def describe(self) -> str:
         draft = "no drafter (plain decoding)" if self.drafter is None else f"drafter {self.spec.drafter}"
         kv = f", {self.kv_bits}-bit K/V (groups of {self.kv_group_size})" if self.kv_bits else ""
+        if self.lockstep is not None:
+            d = self.lockstep.describe()
+            kv += f", target sharded over {d['size']} ranks ({d['backend']}, tensor parallel; drafter on rank 0)"
         return f"{self.spec.name}: target {self.spec.target}, {draft}{kv}"
 
 
@@ -164,6 +178,7 @@ def result_to_json(session: Session, result: GenerationResult) -> dict:
         "notes": session.notes,
         "kv_bits": session.kv_bits,
         "kv_group_size": session.kv_group_size,
+        "distributed": session.lockstep.describe() if session.lockstep is not None else None,
         "text": result.text,
         "token_ids": result.tokens,
         "n_tokens": len(result.tokens),

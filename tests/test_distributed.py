@@ -41,3 +41,21 @@ def test_sharded_speculation_equals_sharded_plain_decoding(family, tmp_path):
     assert set(r0["partial_accepted"]) == {0, 1, 2, 3}  # every acceptance depth, rolled back on both ranks
     assert r0["seeded"][0] == r0["seeded"][1] and len(r0["seeded"][0]) == 24
     assert r0["seeded"][0] != r0["plain"]  # sampling happened
+
+
+def test_dflash2_run_under_mlx_launch_prints_once_and_reports_the_group(tmp_path):
+    from tiny import save_tiny_pair
+
+    target, drafter = save_tiny_pair(tmp_path, "qwen3", block_size=4)
+    cli = Path(sys.executable).parent / "dflash2"
+    args = ["run", target, "--drafter", drafter, "--no-chat-template", "abc", "--max-tokens", "16", "--block-size", "4"]
+    proc = launch(cli, *args, "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    sharded = json.loads(proc.stdout[proc.stdout.index("{"):])  # one document: rank 0 alone prints
+    assert sharded["distributed"] == {"size": 2, "rank": 0, "backend": "ring", "mode": "tensor"}
+    plain = launch(cli, *args[:3], "none", *args[4:], "--json")
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert json.loads(plain.stdout[plain.stdout.index("{"):])["token_ids"] == sharded["token_ids"]
+    assert sharded["speculative_cycles"] > 0
+    alone = subprocess.run([str(cli), *map(str, args), "--json"], capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 0 and json.loads(alone.stdout)["distributed"] is None

@@ -85,6 +85,8 @@ def run(
     if ready and not json_out:
         typer.echo(f"note: {ready}", err=True)
     template = dict(system=system, raw=no_chat_template, think=think)
+    if session.lockstep is not None:
+        return _run_sharded(session, prompt, sampling, max_tokens, template, json_out, prompt_cache)
     cache = _open_cache(session, prompt_cache)
     if prompt is None:
         if json_out or not sys.stdin.isatty():
@@ -100,6 +102,27 @@ def run(
         from ..prompt_cache import save_prompt_cache
 
         save_prompt_cache(prompt_cache, cache)
+    if json_out:
+        print_json(result_to_json(session, result))
+        return
+    sys.stdout.write("\n")
+    typer.echo(render_stats_line(session, result), err=True)
+
+
+def _run_sharded(session, prompt, sampling, max_tokens, template, json_out, prompt_cache) -> None:
+    """Under `mlx.launch`: every rank decodes in lockstep; rank 0 alone prints."""
+    from ..errors import ConfigError
+    from ..session import render_stats_line, result_to_json
+
+    if prompt is None:
+        raise ConfigError("a target sharded with mlx.launch needs PROMPT on the command line (every rank reads it)")
+    if prompt_cache is not None:
+        raise ConfigError(f"--prompt-cache {prompt_cache}: a sharded target decodes without a prompt cache")
+    lead = session.lockstep.leader
+    on_text = _write if lead and not json_out else None
+    result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, on_text=on_text, **template)
+    if not lead:
+        return
     if json_out:
         print_json(result_to_json(session, result))
         return
