@@ -92,7 +92,22 @@ def environment() -> dict:
     return {"dflash2": __version__, "python": sys.version.split()[0],
             "platform": f"{platform.system()} {platform.machine()}", "device": device(),
             "kernels": kernels(), "blas": blas.describe(), "cache": caches(),
-            "calibrations": calibrations(), "hf_offline": hub.offline()}
+            "calibrations": calibrations(), "hf_offline": hub.offline(), "distributed": distributed()}
+
+
+def distributed() -> dict | None:
+    """This process's group when launched by `mlx.launch` (size > 1), else None: under a launch
+    a sharded run holds 1/size of each decoder layer per rank and the drafter on rank 0."""
+    from .distributed import launched
+
+    lockstep = launched()
+    if lockstep is None:
+        return None
+    info = lockstep.describe()
+    info["holds"] = ("the drafter, the output head and embeddings, and 1/{0} of every decoder layer"
+                     if lockstep.leader else "the output head and embeddings and 1/{0} of every decoder layer")
+    info["holds"] = info["holds"].format(lockstep.size)
+    return info
 
 
 # -- memory estimate ----------------------------------------------------------------------

@@ -59,3 +59,17 @@ def test_dflash2_run_under_mlx_launch_prints_once_and_reports_the_group(tmp_path
     assert sharded["speculative_cycles"] > 0
     alone = subprocess.run([str(cli), *map(str, args), "--json"], capture_output=True, text=True, timeout=120)
     assert alone.returncode == 0 and json.loads(alone.stdout)["distributed"] is None
+
+
+def test_doctor_shows_each_rank_of_the_group(tmp_path):
+    cli = Path(sys.executable).parent / "dflash2"
+    proc = launch(cli, "doctor", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    docs, text = [], proc.stdout
+    decoder = json.JSONDecoder()
+    while "{" in text:
+        doc, end = decoder.raw_decode(text[text.index("{"):])
+        docs.append(doc)
+        text = text[text.index("{") + end:]
+    ranks = sorted((d["environment"]["distributed"]["rank"], d["environment"]["distributed"]["holds"]) for d in docs)
+    assert [r for r, _ in ranks] == [0, 1] and "drafter" in ranks[0][1] and "drafter" not in ranks[1][1]

@@ -75,6 +75,10 @@ def render(report: dict) -> list[str]:
     repos = ", ".join(f"{r['repo']} ({_gb(r['bytes'])})" for r in cache["hf_registry_repos"]) or "none"
     lines.append(f"HF cache: {cache['hf_cache']} · registry models cached: {repos}"
                  + (" · HF_HUB_OFFLINE=1" if env["hf_offline"] else ""))
+    group = env.get("distributed")
+    lines.append(f"distributed: rank {group['rank']} of {group['size']} ({group['backend']}, {group['mode']} "
+                 f"parallel) · holds {group['holds']}" if group else
+                 "distributed: not launched (`mlx.launch --hosts ... dflash2 run ...` shards the target)")
     cals = env["calibrations"]
     lines.append(f"block-size calibrations: {len(cals)}" if cals else
                  "block-size calibrations: none (made by `dflash2 bench --calibrate`)")
