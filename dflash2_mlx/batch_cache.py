@@ -162,6 +162,7 @@ class RaggedKVCache(_BaseCache):
         order = mx.argsort(mx.where(pos >= 0, pos, pos.max() + 1 + mx.arange(self.n_slots)))[:n]
         k = self.keys[row : row + 1, :, order]
         v = self.values[row : row + 1, :, order]
+        mx.eval(k, v)  # gathered now: a lazy gather would keep the whole batch's buffers alive
         out = KVCache() if self.window is None else WindowKVCache(self.window, reserve)
         out.keys, out.values, out.offset = k, v, int(self.lengths[row].item())
         if self.window is not None:
@@ -266,7 +267,9 @@ def row_cache(cache: list, row: int, reserve: int) -> list:
             out.append(c.row_cache(row, reserve))
         else:
             single = RecurrentCache(len(c.cache))
-            single.cache = [a[row : row + 1] for a in c.cache]
+            # a row slice is a view of the batch's state: copy it so the batch can be freed
+            single.cache = [mx.contiguous(a[row : row + 1]) if a is not None else None for a in c.cache]
+            mx.eval([a for a in single.cache if a is not None])
             out.append(single)
     return out
 

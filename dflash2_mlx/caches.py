@@ -219,7 +219,8 @@ def snapshot(cache):
         if cache.keys is None:
             return ("window", None)
         n = cache.n_stored
-        k, v = mx.array(cache.keys[..., :n, :]), mx.array(cache.values[..., :n, :])
+        # copies, not views: a view would keep the cache's whole buffer alive once it moves on
+        k, v = mx.contiguous(cache.keys[..., :n, :]), mx.contiguous(cache.values[..., :n, :])
         mx.eval(k, v)
         return ("window", (k, v, cache.offset, n))
     if isinstance(cache, ArraysCache):

@@ -175,20 +175,35 @@ class PromptCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: caches, the drafter's context and the mark's copies."""
+        """Bytes held: caches, the drafter's context and what the mark alone keeps alive (its
+        window copies, and recurrent states and pending rows the live caches moved past)."""
+        live = {id(a) for c in self.target_cache for a in _arrays(c)}
         n = sum(cache_nbytes(c) for c in self.target_cache)
-        n += self.context.nbytes if self.context is not None else 0
+        if self.context is not None:
+            n += self.context.nbytes
+            live |= {id(h) for h in self.context.pending}
         if self._mark is not None:
-            n += sum(_snap_bytes(s) for s in self._mark.target)
-            n += sum(_snap_bytes(s) for s in self._mark.context[0]) if self._mark.context else 0
+            n += sum(_snap_bytes(s, live) for s in self._mark.target)
+            if self._mark.context:
+                caches, pending, _ = self._mark.context
+                n += sum(_snap_bytes(s, live) for s in caches)
+                n += sum(h.nbytes for h in pending if id(h) not in live)
         return n
 
 
-def _snap_bytes(snap) -> int:
+def _arrays(cache) -> list:
+    state = getattr(cache, "cache", None)
+    return [a for a in state if a is not None] if isinstance(state, list) else []
+
+
+def _snap_bytes(snap, live: set[int]) -> int:
+    """Bytes a snapshot holds that the live caches do not (offsets cost nothing)."""
     kind, state = snap
     if kind == "window" and state is not None:
         return state[0].nbytes + state[1].nbytes
-    return 0  # offsets cost nothing; recurrent snapshots share arrays the cache may still hold
+    if kind == "arrays":
+        return sum(a.nbytes for a in state if a is not None and id(a) not in live)
+    return 0
 
 
 # -- on disk ----------------------------------------------------------------------------------

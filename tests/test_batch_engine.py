@@ -283,3 +283,36 @@ def test_one_argmax_for_the_batch_equals_each_rows_own_pick():
     slow = _run(SpeculativeBatch(target, None, fast_greedy=False), jobs)
     assert fast == slow
     assert [fast[i][:-1] for i in range(len(jobs))] == [generate(target, p, n).tokens for p, n, _ in jobs]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_row_leaving_the_batch_keeps_only_its_own_buffers(family):
+    import gc
+
+    target = tiny_target(family)
+    rows = []
+    for k in range(8):  # prefilled single rows, as the batch receives them
+        cache = target.make_cache(reserve=1)
+        target.forward(mx.array([[1] + [(k + j) % 90 + 3 for j in range(300)]]), cache, (), "none")
+        mx.eval([c.state for c in cache])
+        rows.append(cache)
+    batch = batch_cache.empty_batch(target)
+    batch_cache.add_rows(batch, rows)
+    mx.eval([c.state for c in batch])
+    del rows
+    gc.collect()
+    row = batch_cache.row_cache(batch, 3, reserve=4)
+    row_bytes = sum(batch_cache_bytes(c) for c in row)
+    before = mx.get_active_memory()
+    batch_bytes = sum(batch_cache_bytes(c) for c in batch)
+    del batch
+    gc.collect()
+    freed = before - mx.get_active_memory()
+    # everything but the row itself goes: nothing of the batch stays behind a view or a lazy gather
+    assert freed >= batch_bytes - 2 * row_bytes, (freed, batch_bytes, row_bytes)
+
+
+def batch_cache_bytes(c) -> int:
+    state = c.state
+    arrays = state if isinstance(state, (list, tuple)) else [state]
+    return sum(a.nbytes for a in arrays if isinstance(a, mx.array))

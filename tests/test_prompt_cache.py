@@ -171,3 +171,23 @@ def test_a_saved_and_loaded_cache_continues_exactly(target, tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"nonsense")
     with pytest.raises(ConfigError, match="not a dflash2 prompt cache"):
         load_prompt_cache(tmp_path / "bad.safetensors", target, drafter)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])
+def test_an_entry_reports_everything_it_keeps_alive(family):
+    import gc
+
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    prompt = [1] + [(7 * j) % 90 + 3 for j in range(200)]
+    generate(target, prompt, drafter=drafter, max_tokens=N, block_size=4)  # warm: compiled, allocated
+    gc.collect()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    cache = PromptCache(target, drafter, reserve=4)
+    generate(target, prompt, drafter=drafter, max_tokens=N, block_size=4, prompt_cache=cache)
+    assert cache._mark is not None  # a hybrid or window target keeps a snapshot before the last prompt token
+    gc.collect()
+    mx.clear_cache()
+    held = mx.get_active_memory() - before
+    assert cache.nbytes >= 0.9 * held, (cache.nbytes, held)

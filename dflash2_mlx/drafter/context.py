@@ -64,7 +64,7 @@ class DraftContext:
         n = self.n_pending
         if n > self.limit:
             ctx = mx.concatenate(self.pending, axis=1)
-            self.pending = [ctx[:, n - self.limit :]]
+            self.pending = [mx.contiguous(ctx[:, n - self.limit :])]  # not a view holding all of ctx
             for c in self.cache:
                 c.n_stored, c.offset = 0, c.offset + n - self.limit
 
@@ -85,7 +85,7 @@ class DraftContext:
             raise ValueError(f"cannot drop {n} tokens of this draft context")
         keep = self.n_pending - n
         if keep >= 0:
-            self.pending = [mx.concatenate(self.pending, axis=1)[:, :keep]] if keep else []
+            self.pending = [mx.contiguous(mx.concatenate(self.pending, axis=1)[:, :keep])] if keep else []
         else:
             self.pending = []
             for c in self.cache:
@@ -101,7 +101,10 @@ class DraftContext:
     def snapshot(self) -> tuple:
         """What `restore` needs to come back to this state (window rows are copied: they are
         written in place later)."""
-        return [snapshot(c) for c in self.cache], list(self.pending), self.n_tokens
+        # pending rows are often views of a whole pass's states: copy them, or they keep it alive
+        pending = [mx.contiguous(h) for h in self.pending]
+        mx.eval(pending)
+        return [snapshot(c) for c in self.cache], pending, self.n_tokens
 
     def restore(self, snap: tuple) -> None:
         caches, pending, self.n_tokens = snap
