@@ -116,26 +116,24 @@ class SpeculativeBatch:
         return row.id
 
     def remove(self, row_id: int) -> None:
-        """Drop a row (cancelled); its prompt cache, if any, is reset (it was mid-reply)."""
+        """Drop a row (cancelled between steps); its prompt cache, if any, keeps what the row's
+        caches cover (prompt and reply so far), as a cancelled single stream's does."""
         for row in list(self.joining):
             if row.id == row_id:
                 self.joining.remove(row)
-                if row.prompt_cache is not None:
-                    row.prompt_cache.reset()
-        self._leave([r for r in self.rows if r.id == row_id], keep_cache=False)
+                if row.prompt_cache is not None:  # the prefill's chunks so far
+                    row.prompt_cache.tokens = row.run.history[: row.run.fed]
+        self._leave([r for r in self.rows if r.id == row_id])
 
-    def _leave(self, leaving: list[_Row], keep_cache: bool = True) -> None:
+    def _leave(self, leaving: list[_Row]) -> None:
         if not leaving:
             return
         gone = {r.id for r in leaving}
         for b, row in enumerate(self.rows):
             if row.id in gone and row.prompt_cache is not None:
-                pc = row.prompt_cache
-                if keep_cache:  # the caches cover history[:fed]: the pool's next turn starts there
-                    pc.target_cache = batch_cache.row_cache(self.cache, b, pc.reserve)
-                    pc.tokens = row.run.history[: row.run.fed]
-                else:
-                    pc.reset()
+                pc = row.prompt_cache  # the caches cover history[:fed]: the pool's next turn starts there
+                pc.target_cache = batch_cache.row_cache(self.cache, b, pc.reserve)
+                pc.tokens = row.run.history[: row.run.fed]
         kept = [b for b, r in enumerate(self.rows) if r.id not in gone]
         batch_cache.keep_rows(self.cache, kept)
         self.rows = [self.rows[b] for b in kept]

@@ -316,3 +316,25 @@ def batch_cache_bytes(c) -> int:
     state = c.state
     arrays = state if isinstance(state, (list, tuple)) else [state]
     return sum(a.nbytes for a in arrays if isinstance(a, mx.array))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_cancelled_row_keeps_its_conversation_cache(family):
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    cache = PromptCache(target, drafter, reserve=4)
+    batch = SpeculativeBatch(target, drafter)
+    rid = batch.add(PROMPTS[0], 40, prompt_cache=cache)
+    batch.add(PROMPTS[1], 40)
+    reply = []
+    for _ in range(6):
+        for r, event in batch.step():
+            if r == rid:
+                reply += event.tokens
+    batch.remove(rid)  # cancelled mid-reply, between steps
+    assert len(reply) > 4 and cache.tokens == (PROMPTS[0] + reply)[: len(cache.tokens)]
+    assert len(cache.tokens) >= len(PROMPTS[0]) + len(reply) - 1
+    turn = PROMPTS[0] + reply + [44, 45]
+    warm = generate(target, turn, 12, drafter=drafter, prompt_cache=cache)
+    assert warm.cached_tokens >= len(PROMPTS[0]) + len(reply) - 4
+    assert warm.tokens == generate(target, turn, 12, drafter=drafter).tokens

@@ -84,7 +84,7 @@ class BatchRun:
         self.jobs[rid], self.caches[rid], self._cached[rid] = job, cache, job.stats.cached_tokens
 
     def remove(self, job):
-        """Drop a cancelled job; returns its prompt cache (reset: the reply was cut mid-cycle)."""
+        """Drop a cancelled job; returns its prompt cache (covering its prompt and reply so far)."""
         for rid, j in list(self.jobs.items()):
             if j is job:
                 self.engine.remove(rid)

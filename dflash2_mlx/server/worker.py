@@ -496,7 +496,9 @@ class GenerationWorker:
         """Drop cancelled rows, run one batch step, post its events."""
         for job in list(batch.jobs.values()):
             if job.cancelled.is_set():
-                batch.remove(job)  # its prompt cache was reset: the reply was cut
+                cache = batch.remove(job)  # covers the prompt and the reply so far: the next turn reuses it
+                if cache is not None and self.prompt_caches is not None:
+                    self.prompt_caches.checkin(cache)
                 self._finish(job)
                 self._end(job)
         if not batch:
