@@ -206,3 +206,37 @@ def test_a_bad_batched_request_fails_alone_with_a_400():
     failure, events = asyncio.run(main())
     assert failure.status == 400 and "outside the vocab" in failure.message
     assert [t for e in events for t in e.tokens] == session.generate(PROMPTS[1], max_tokens=12).tokens
+
+
+def test_a_long_prompt_arriving_while_a_batch_runs_is_prefilled_between_its_steps():
+    session = _session("llama", "dflash2")
+    long_prompt = [1] + [(5 * j) % 90 + 3 for j in range(1500)]
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(session, capacity=8, max_batch=4, prefill_chunk=64)
+        worker.start()
+        a, b = Job(PROMPTS[0], SamplingParams(), 60, [], loop), Job(PROMPTS[1], SamplingParams(), 60, [], loop)
+        worker.submit(a)
+        stream_a = a.events()
+        await stream_a.__anext__()
+        worker.submit(b)
+        stream_b = b.events()
+        await stream_b.__anext__()  # a batch runs now (b joined; a moved in)
+        order = []
+
+        async def follow(name, stream):
+            async for _ in stream:
+                order.append(name)
+
+        c = Job(long_prompt, SamplingParams(), 4, [], loop)
+        worker.submit(c)
+        await asyncio.gather(follow("a", stream_a), follow("b", stream_b), follow("c", c.events()))
+        worker.close()
+        return order, c
+
+    order, c = asyncio.run(main())
+    first_c = order.index("c")
+    # the 1,500-token prompt took ~24 chunks: the running rows kept getting tokens meanwhile
+    assert order[:first_c].count("a") >= 15 and order[:first_c].count("b") >= 15, order[:first_c + 1]
+    assert c.stats.finish_reason == "length"

@@ -339,9 +339,12 @@ class GenerationWorker:
                 self._cond.wait()
             while self._waiting and not self._stopped:
                 job = self._waiting[0]
-                if not solo_busy and solo is None:
+                room = self.max_batch > 1 and batchable(job) and n_batch + len(joining) < self.max_batch
+                # while a batch runs, newcomers join it: their prompts are prefilled in chunks between
+                # its steps, where the solo slot would prefill a whole prompt with the batch stopped
+                if not solo_busy and solo is None and not (n_batch and room):
                     solo = job
-                elif self.max_batch > 1 and batchable(job) and n_batch + len(joining) < self.max_batch:
+                elif room:
                     joining.append(job)
                 else:
                     break  # the head waits, and everything behind it: arrival order is kept
