@@ -122,11 +122,15 @@ class Session:
                 f"costs {ratios} plain steps here, so speculation {verdict} beat plain decoding; the width "
                 "follows the measured acceptance, down to plain decoding when drafts do not pay")
 
-    def _width_and_policy(self):
+    def _width_and_policy(self, sampling: SamplingParams | None = None):
         if self.lockstep is not None:  # a fixed width; the engine gives every rank rank 0's
             return self.block_size or (self.drafter.config.block_size if self.drafter is not None else None), None
         if self.drafter is None:
             return None, None
+        if self.block_size == "auto" and sampling is not None and sampling.seed is not None and not sampling.greedy:
+            # the policy's widths follow wall-clock timings, and each width draws the RNG its own
+            # way: a seeded sampled request decodes at the trained width so that it repeats
+            return self.drafter.config.block_size, None
         if self.block_size == "auto":
             from .block_policy import auto_policy
 
@@ -149,7 +153,7 @@ class Session:
         """Engine events for a prompt; `engine` passes on to `stream_generate` (e.g. `on_prefill`)."""
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, system=system, raw=raw, think=think)
-        width, policy = self._width_and_policy()
+        width, policy = self._width_and_policy(sampling)
         engine = {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size, "lockstep": self.lockstep} | engine
         return stream_generate(self.target, ids, max_tokens, drafter=self.drafter, sampling=sampling,
                                block_size=width, stop=stop, block_policy=policy, **engine)

@@ -254,3 +254,23 @@ def test_session_prepare_calibrates_before_the_first_generation(isolated, monkey
     monkeypatch.setattr(block_policy, "auto_policy", no_new_policy)
     session.generate([1, 40, 41, 42], max_tokens=8)
     assert session._policy is policy and policy.trace.widths
+
+
+def test_a_seeded_sampled_request_repeats_under_auto(isolated):
+    from dflash2_mlx import SamplingParams
+    from dflash2_mlx.session import Session
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    session = Session(spec=None, target=target, drafter=drafter, block_size="auto")
+    session.prepare()
+    seeded = SamplingParams(temperature=0.8, seed=11)
+    first = session.generate([1, 40, 41, 42], sampling=seeded, max_tokens=30)
+    for w in (2, 3, 4):  # the policy keeps learning from other requests in between
+        session._policy.observe(CycleStats(w, w - 1, 0, 1, 0.001, 0.05 * w))
+        session.generate([1, 9, 8, 7], max_tokens=10)
+    again = session.generate([1, 40, 41, 42], sampling=seeded, max_tokens=30)
+    assert again.tokens == first.tokens
+    widths = [c.width for c in first.cycles]
+    assert set(widths[:-3]) == {4}  # the trained width, not the policy's (the last ones are cut by max_tokens)
