@@ -14,9 +14,8 @@ from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
 
 from .._version import __version__
-from . import dispatch, reasoning
+from . import dispatch, reasoning, tools
 from .dispatch import ServerState, StateDep
-from . import tools
 from .errors import APIError, error_body
 from .schema import ChatCompletionRequest, CompletionRequest
 from .worker import Job, JobFailed
@@ -77,14 +76,36 @@ def _token_text(state: ServerState, token: int) -> str:
         return state.session.target.tokenizer.decode([token])
 
 
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes a token stands for, also when it holds only part of a character (where its
+    decoded text is U+FFFD): byte-level BPE maps each piece character back to a byte, and
+    SentencePiece spells raw bytes `<0xNN>` (mlx-lm's detokenizers read pieces the same way)."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, SPMStreamingDetokenizer, _byte_decoder
+
+    kind = type(tokenizer.detokenizer)
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if kind is BPEStreamingDetokenizer and isinstance(piece, str):
+        decoder = _byte_decoder()
+        if all(c in decoder for c in piece):
+            return bytes(decoder[c] for c in piece)
+    if kind is SPMStreamingDetokenizer and isinstance(piece, str):
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode()
+    return tokenizer.decode([token]).encode()
+
+
 def _chat_logprobs(state: ServerState, lps) -> dict | None:
     """OpenAI chat `logprobs`: each token with its log-probability, bytes and alternatives."""
     if lps is None:
         return None
+    tokenizer = state.session.target.tokenizer
 
     def entry(token: int, logprob: float) -> dict:
         text = _token_text(state, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        with state.encode_lock:
+            raw = token_bytes(tokenizer, token)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**entry(x.token, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
                         for x in lps], "refusal": None}
