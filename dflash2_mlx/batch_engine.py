@@ -29,9 +29,24 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import batch_cache
-from .engine import (CLEAR_CACHE_EVERY, DEFAULT_PREFILL_STEP, CycleStats, GenerationEvent, _choose, _commit,
-                     _logprob_list, _logprobs, _prefill, _Run, accepted, generation_stream,
-                     peak_memory_gb, propose, start_run, verdict)
+from .engine import (
+    CLEAR_CACHE_EVERY,
+    DEFAULT_PREFILL_STEP,
+    CycleStats,
+    GenerationEvent,
+    _choose,
+    _commit,
+    _logprob_list,
+    _logprobs,
+    _prefill,
+    _Run,
+    accepted,
+    generation_stream,
+    peak_memory_gb,
+    propose,
+    start_run,
+    verdict,
+)
 from .errors import ConfigError
 from .sampling import SamplingParams
 from .stopper import Stopper

@@ -276,7 +276,8 @@ def clone(cache):
     if isinstance(cache, QuantizedKVCache):
         out = QuantizedKVCache(cache.group_size, cache.bits)
         if cache.keys is not None:
-            out.keys, out.values = (tuple(a[..., : cache.offset, :] for a in part) for part in (cache.keys, cache.values))
+            out.keys, out.values = (tuple(a[..., : cache.offset, :] for a in part)
+                                    for part in (cache.keys, cache.values))
         out.offset = cache.offset
         return out
     if isinstance(cache, KVCache):

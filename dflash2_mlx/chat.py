@@ -23,7 +23,8 @@ def is_messages(prompt) -> bool:
     return isinstance(prompt, (list, tuple)) and bool(prompt) and all(isinstance(m, dict) for m in prompt)
 
 
-def encode_prompt(tokenizer, prompt, *, system: str | None = None, chat_template_kwargs: dict | None = None) -> list[int]:
+def encode_prompt(tokenizer, prompt, *, system: str | None = None,
+                  chat_template_kwargs: dict | None = None) -> list[int]:
     """Token ids for a prompt (see the module docstring). `system` is put first in chat messages
     that have no system message; `chat_template_kwargs` are the template's variables (tools,
     enable_thinking, ...)."""

@@ -31,8 +31,8 @@ from typing import Iterator
 import numpy as np
 
 from .errors import ConfigError
-from .progress import bar
 from .paths import atomic_path
+from .progress import bar
 
 log = logging.getLogger(__name__)
 
@@ -325,7 +325,8 @@ def _write_shards(groups, out: Path, total_bytes: int, progress: bool) -> None:
         os.replace(path, out / name)
         weight_map.update({k: name for k in keys})
     if n > 1:
-        index = {"metadata": {"total_size": sum(s for *_, s in written)}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": sum(s for *_, s in written)},
+                 "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 

@@ -440,8 +440,8 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
                     sampling: SamplingParams | None = None, prompt_cache=None, block_size: int | None = None,
                     stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
                     prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy=None, kv_bits: int | None = None,
-                    kv_group_size: int | None = None, on_prefill=None, pipelined: bool = True, top_logprobs: int | None = None,
-                    overlap: bool | None = None, constraint=None, lockstep=None):
+                    kv_group_size: int | None = None, on_prefill=None, pipelined: bool = True,
+                    top_logprobs: int | None = None, overlap: bool | None = None, constraint=None, lockstep=None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:

@@ -15,8 +15,15 @@ from tqdm.std import tqdm as _std_tqdm
 
 def make_progress(transient: bool = False):
     from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, MofNCompleteColumn, Progress, ProgressColumn, \
-        TextColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        MofNCompleteColumn,
+        Progress,
+        ProgressColumn,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     class AmountColumn(ProgressColumn):
         """Bytes for byte-counting tasks (unit="B"), "m/n" for counting tasks."""

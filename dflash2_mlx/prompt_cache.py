@@ -231,7 +231,8 @@ def save_prompt_cache(path, cache: PromptCache) -> None:
                    "n_tokens": ctx.n_tokens, "n_pending": len(ctx.pending)}
         arrays.update({f"pending.{j}": h for j, h in enumerate(ctx.pending)})
     meta = {"format": FORMAT, "tokens": cache.tokens, "prompt_len": cache.prompt_len, "reserve": cache.reserve,
-            "kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group_size, "target": cache.target.path, "layers": layers, "context": context,
+            "kv_bits": cache.kv_bits, "kv_group_size": cache.kv_group_size, "target": cache.target.path,
+            "layers": layers, "context": context,
             "drafter": getattr(cache.drafter, "path", None) if cache.drafter is not None else None}
     with atomic_path(path) as tmp:
         mx.save_safetensors(str(tmp), arrays, {"dflash2": json.dumps(meta)})

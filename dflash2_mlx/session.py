@@ -50,10 +50,9 @@ class Session:
              draft_vocab: int | None = None, kv_bits: int | None = None,
              kv_group_size: int | None = None, distributed: bool = True) -> "Session":
         from . import hub
+        from .distributed import launched
         from .drafter.load import load_drafter
         from .target import load_target
-
-        from .distributed import launched
 
         lockstep = launched() if distributed else None
         spec = hub.resolve(model, drafter, progress=progress and (lockstep is None or lockstep.leader))

@@ -7,12 +7,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_engine import ScriptedDrafter  # noqa: E402
-from tiny import FAMILIES, TinyTokenizer, tiny_drafter, tiny_model  # noqa: E402
-
 from dflash2_mlx import SamplingParams, generate  # noqa: E402
 from dflash2_mlx.distributed import launched, shard_model  # noqa: E402
 from dflash2_mlx.target import Target  # noqa: E402
+
+from test_engine import ScriptedDrafter  # noqa: E402
+from tiny import FAMILIES, TinyTokenizer, tiny_drafter, tiny_model  # noqa: E402
 
 PROMPT = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12, 18, 6, 27, 33, 8, 11]
 N = 24

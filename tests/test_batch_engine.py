@@ -12,8 +12,6 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-from test_verify import ALPHA, E2E_PARAMS, E2E_PROMPT, _e2e_pvalue, _exact_joint
-from tiny import VOCAB, drafter_config_dict, tiny_drafter, tiny_target
 
 from dflash2_mlx import batch_cache, batch_engine, generate
 from dflash2_mlx.batch_engine import SpeculativeBatch
@@ -23,6 +21,9 @@ from dflash2_mlx.drafter.selector import Proposal
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompt_cache import PromptCache
 from dflash2_mlx.sampling import SamplingParams
+
+from test_verify import ALPHA, E2E_PARAMS, E2E_PROMPT, _e2e_pvalue, _exact_joint
+from tiny import VOCAB, drafter_config_dict, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 30], [1, 61, 62, 63, 64],
            [1, 12, 13, 14, 15, 16, 17]]

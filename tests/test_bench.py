@@ -16,10 +16,10 @@ from dflash2_mlx.bench import (
     run_bench,
     summarize,
 )
-from dflash2_mlx.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 from dflash2_mlx.engine import CycleStats
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompts import Prompt, SuitePrompts
+from dflash2_mlx.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 
 
 def cycle(width, n_drafted, n_accepted):
@@ -193,9 +193,9 @@ def test_run_bench_rejects_bad_settings():
 
 
 def test_sampled_runs_share_a_seed_per_prompt_across_modes():
-    from tiny import tiny_drafter, tiny_target
-
     from dflash2_mlx.sampling import SamplingParams
+
+    from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("llama")
     modes = [Mode("ar", "ar"), Mode("dflash2", "dflash2", tiny_drafter(target, "dflash2", block_size=4))]

@@ -146,9 +146,9 @@ def test_run_and_bench_print_the_warning_once_and_only_on_the_reference_blas(act
 
 def test_serve_prints_the_warning_before_serving(pair, isolated, monkeypatch):
     """The server itself is stubbed out: only the lines `dflash2 serve` prints first matter here."""
-    import dflash2_mlx.server
     from typer.testing import CliRunner
 
+    import dflash2_mlx.server
     from dflash2_mlx.cli import app, serve
 
     def stop(code):

@@ -200,6 +200,7 @@ def test_costs_reject_bad_values():
 
 def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
     from dflash2_mlx import calibration, generate
+
     from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("llama")
@@ -223,6 +224,7 @@ def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
 
 def test_fixed_policy_is_the_engine_without_a_policy():
     from dflash2_mlx import generate
+
     from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("qwen3")
@@ -237,6 +239,7 @@ def test_fixed_policy_is_the_engine_without_a_policy():
 def test_session_prepare_calibrates_before_the_first_generation(isolated, monkeypatch):
     from dflash2_mlx import block_policy
     from dflash2_mlx.session import Session
+
     from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("llama")
@@ -259,6 +262,7 @@ def test_session_prepare_calibrates_before_the_first_generation(isolated, monkey
 def test_a_seeded_sampled_request_repeats_under_auto(isolated):
     from dflash2_mlx import SamplingParams
     from dflash2_mlx.session import Session
+
     from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("llama")

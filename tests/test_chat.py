@@ -5,12 +5,13 @@ from types import SimpleNamespace
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import TinyTokenizer, tiny_target
 
 from dflash2_mlx import generate, stream_generate
 from dflash2_mlx.chat import encode_prompt
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.session import Session
+
+from tiny import TinyTokenizer, tiny_target
 
 TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}<s>assistant: {% endif %}")

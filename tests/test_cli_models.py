@@ -11,6 +11,7 @@ from dflash2_mlx.drafter.config import parse_config
 from dflash2_mlx.drafter.load import save_drafter
 from dflash2_mlx.drafter.model import Drafter
 from dflash2_mlx.registry import load_registry
+
 from gguf_fixtures import tiny_hf_model, write_gguf
 from tiny import FAMILIES, drafter_config_dict
 

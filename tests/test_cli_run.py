@@ -9,12 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash2_mlx.cli import app
+
 from real_assets import smollm2_gguf
 
 JSON_FIELDS = {
     "model", "target", "drafter", "notes", "text", "token_ids", "n_tokens", "finish_reason", "tau", "cycles",
-    "speculative_cycles", "acceptance_by_position", "accepted_histogram", "prompt_tokens", "cached_tokens", "prompt_tps",
-    "decode_tps", "peak_memory_gb",
+    "speculative_cycles", "acceptance_by_position", "accepted_histogram", "prompt_tokens", "cached_tokens",
+    "prompt_tps", "decode_tps", "peak_memory_gb",
 }
 
 

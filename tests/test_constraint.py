@@ -13,6 +13,7 @@ from dflash2_mlx import SamplingParams, generate
 from dflash2_mlx.constraint import GrammarConstraint, json_schema_grammar, regex_grammar
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.sampling import target_probs
+
 from tiny import tiny_drafter, tiny_target
 
 pytest.importorskip("llguidance")
@@ -33,7 +34,8 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(family
     grammar = json_schema_grammar(SCHEMA)
     plain = generate(target, PROMPT, max_tokens=40, constraint=_constraint(target, grammar))
     drafter = tiny_drafter(target, "dflash2", block_size=block)
-    spec = generate(target, PROMPT, drafter=drafter, max_tokens=40, block_size=block, constraint=_constraint(target, grammar))
+    spec = generate(target, PROMPT, drafter=drafter, max_tokens=40, block_size=block,
+                    constraint=_constraint(target, grammar))
     assert spec.tokens == plain.tokens
     unconstrained = generate(target, PROMPT, max_tokens=40).tokens
     assert unconstrained != plain.tokens  # the grammar did change the output
@@ -48,7 +50,8 @@ def test_a_completed_grammar_ends_generation_with_valid_json():
               "additionalProperties": False}
     grammar = json_schema_grammar(schema, compact=True)
     drafter = tiny_drafter(target, "dflash2", block_size=4)
-    out = generate(target, PROMPT, drafter=drafter, max_tokens=30, block_size=4, constraint=_constraint(target, grammar))
+    out = generate(target, PROMPT, drafter=drafter, max_tokens=30, block_size=4,
+                   constraint=_constraint(target, grammar))
     text = target.tokenizer.decode([t for t in out.tokens if t != 2])
     assert json.loads(text) in ({"a": True}, {"a": False})
     assert out.finish_reason == "stop" and len(out.tokens) < 30

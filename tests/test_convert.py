@@ -16,6 +16,7 @@ from mlx_lm.models import llama
 
 from dflash2_mlx.convert import convert_gguf, convert_hf, inspect_gguf, unpermute_qk
 from dflash2_mlx.errors import ConfigError
+
 from gguf_fixtures import MODULES, VOCAB, llama_cpp_permute, tiny_hf_model, write_gguf
 from real_assets import smollm2_gguf, smollm2_wheel
 

@@ -12,6 +12,7 @@ from dflash2_mlx.drafter.config import parse_config
 from dflash2_mlx.drafter.load import save_drafter
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.train.export import export_drafter
+
 from tiny import tiny_drafter
 
 transformers = pytest.importorskip("transformers")

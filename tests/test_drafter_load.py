@@ -11,6 +11,7 @@ from dflash2_mlx.drafter.config import parse_config
 from dflash2_mlx.drafter.load import save_drafter
 from dflash2_mlx.drafter.model import Drafter
 from dflash2_mlx.errors import ConfigError, IncompatibleDrafterError, WeightsError
+
 from tiny import HIDDEN, VOCAB, tiny_drafter, tiny_target
 
 
@@ -45,10 +46,12 @@ def published_v2_tensors(n_layers=2, H=HIDDEN, inter=96, q=64, kv=32, d=16, r=16
     for i in range(n_layers):
         p = f"layers.{i}."
         shapes.update({
-            p + "attention_conv.base_kernel": (2, K, H), p + "attention_conv.kernel_projection.weight": (2 * K * H // G, H),
+            p + "attention_conv.base_kernel": (2, K, H),
+            p + "attention_conv.kernel_projection.weight": (2 * K * H // G, H),
             p + "mlp_conv.base_kernel": (2, K, H), p + "mlp_conv.kernel_projection.weight": (2 * K * H // G, H),
             p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
-            p + "mlp.down_proj.weight": (H, inter), p + "mlp.gate_proj.weight": (inter, H), p + "mlp.up_proj.weight": (inter, H),
+            p + "mlp.down_proj.weight": (H, inter), p + "mlp.gate_proj.weight": (inter, H),
+            p + "mlp.up_proj.weight": (inter, H),
             p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
             p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
             p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
@@ -186,4 +189,5 @@ def test_quantized_draft_head_keeps_output_exact(target):
     q_logits = drafter.logits(mx.ones((1, 2, HIDDEN)))
     assert 0 < float(mx.abs(q_logits - dense_logits).max()) < 0.5  # a quantized copy, not the same array
     prompt = [1, 40, 41, 42, 7, 19]
-    assert generate(target, prompt, drafter=drafter, max_tokens=24).tokens == generate(target, prompt, max_tokens=24).tokens
+    assert (generate(target, prompt, drafter=drafter, max_tokens=24).tokens
+            == generate(target, prompt, max_tokens=24).tokens)

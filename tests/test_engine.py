@@ -9,6 +9,7 @@ from dflash2_mlx import SamplingParams, generate, stream_generate
 from dflash2_mlx.drafter.context import DraftContext
 from dflash2_mlx.drafter.selector import Proposal
 from dflash2_mlx.errors import ConfigError
+
 from tiny import FAMILIES, MASK_ID, VOCAB, tiny_drafter, tiny_target
 
 PROMPT = [1, 40, 41, 42, 7, 19, 33, 60, 61, 5, 8]
@@ -47,6 +48,7 @@ class ScriptedDrafter:
 
     def __init__(self, target, truth, block_size):
         from dflash2_mlx.drafter.config import parse_config
+
         from tiny import drafter_config_dict
 
         self.config = parse_config(drafter_config_dict("dflash", block_size=block_size, target_layers=(1,)))
@@ -173,6 +175,7 @@ def _naive_stop(text, stops):
 @pytest.mark.parametrize("stops", [["lo w"], ["xyz", "o w", "ld"], ["d!", "zz"], ["w"], ["nope"]])
 def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch, stops):
     from dflash2_mlx import stopper as stopper_module
+
     from tiny import TinyTokenizer
 
     window = []

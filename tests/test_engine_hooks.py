@@ -1,6 +1,7 @@
 """Engine hooks the server relies on: a cancellable chunked prefill, and no U+FFFD at a cut."""
 
 from dflash2_mlx import generate, stream_generate
+
 from tiny import tiny_drafter, tiny_target
 
 PROMPT = [1, 40, 41, 42, 7, 19, 33, 60, 61, 5, 8]
@@ -133,7 +134,8 @@ def test_logprobs_are_the_targets_own_under_speculation():
         drafter = tiny_drafter(target, "dflash2", block_size=4, sliding_window=12)
         for sampling in (None, SamplingParams(temperature=0.9, seed=2)):
             for d in (None, drafter):
-                events = list(stream_generate(target, PROMPT, drafter=d, max_tokens=24, sampling=sampling, top_logprobs=3))
+                events = list(stream_generate(target, PROMPT, drafter=d, max_tokens=24, sampling=sampling,
+                                              top_logprobs=3))
                 tokens = [t for e in events for t in e.tokens]
                 lps = [lp for e in events for lp in e.logprobs]
                 assert [lp.token for lp in lps] == tokens and len(tokens) == 24
@@ -153,5 +155,6 @@ def test_overlapped_and_synchronous_drafting_emit_the_same_tokens():
     target = tiny_target("qwen3_5")
     drafter = tiny_drafter(target, "dflash2", block_size=5, sliding_window=12)
     for sampling in (None, SamplingParams(temperature=0.7, seed=9)):
-        runs = [generate(target, PROMPT, drafter=drafter, max_tokens=30, sampling=sampling, overlap=o) for o in (True, False)]
+        runs = [generate(target, PROMPT, drafter=drafter, max_tokens=30, sampling=sampling, overlap=o)
+                for o in (True, False)]
         assert runs[0].tokens == runs[1].tokens and runs[0].speculative_cycles

@@ -14,6 +14,7 @@ from dflash2_mlx.drafter.load import load_drafter, save_drafter
 from dflash2_mlx.drafter.model import Drafter
 from dflash2_mlx.errors import ConfigError, IncompatibleDrafterError, ResolveError
 from dflash2_mlx.registry import load_registry
+
 from gguf_fixtures import tiny_hf_model, write_gguf
 from real_assets import smollm2_gguf
 from tiny import drafter_config_dict, tiny_target

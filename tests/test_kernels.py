@@ -12,18 +12,20 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from metal_emu import emu
+from reference import np_ops
 
 from dflash2_mlx import SamplingParams, generate
 from dflash2_mlx.drafter.selector import greedy_walk_ops, lattice_ops, sampled_walk_ops
 from dflash2_mlx.kernels import selector as ksel
-from metal_emu import emu
-from reference import np_ops
+
 from tiny import tiny_drafter, tiny_target
 
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None,
                                reason="g++ (C++20) not found: the Metal emulation compiles kernels with it")
 needs_metal = pytest.mark.skipif(not mx.metal.is_available(),
-                                 reason="needs a Metal GPU (Apple Silicon); the emulated kernel covers this source here")
+                                 reason="needs a Metal GPU (Apple Silicon); the emulated kernel covers this "
+                                        "source here")
 ATOL = 1e-5
 
 
@@ -336,7 +338,8 @@ def test_sources_ship_with_a_layout_header():
 
 def test_generated_signature_follows_mlx_documentation():
     """The emulator writes the source the way MLX's docs show for their `myexp` example."""
-    source = "\n        uint elem = thread_position_in_grid.x;\n        T tmp = inp[elem];\n        out[elem] = metal::exp(tmp);\n"
+    source = ("\n        uint elem = thread_position_in_grid.x;\n        T tmp = inp[elem];"
+              "\n        out[elem] = metal::exp(tmp);\n")
     a = mx.zeros((4, 16), dtype=mx.float16)
     name = emu.kernel_name("myexp", [("T", mx.float32)], [a], [mx.float16])
     text = emu.kernel_source(name, "", source, ["inp"], [a], ["out"], [mx.float16], [("T", mx.float32)])

@@ -2,10 +2,8 @@
 for every cache kind mlx-lm can quantize; prompt caches reuse and save quantized entries; the
 combinations that cannot work are refused by name."""
 
-import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import QuantizedKVCache
-from tiny import FAMILIES, save_tiny_pair, tiny_drafter, tiny_target
 from typer.testing import CliRunner
 
 from dflash2_mlx import SamplingParams, generate
@@ -13,6 +11,8 @@ from dflash2_mlx.cli import app
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompt_cache import PromptCache, load_prompt_cache, save_prompt_cache
 from dflash2_mlx.server import ServerConfig, create_app
+
+from tiny import FAMILIES, save_tiny_pair, tiny_drafter, tiny_target
 
 PROMPT = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12, 18, 6, 27, 33, 8, 11]
 USER2 = [44, 2, 17, 29, 35, 4, 13]
@@ -82,7 +82,8 @@ def test_a_quantized_entry_counts_its_real_size():
 
 def test_refusals_name_the_value_and_the_layer_kind():
     llama = _target("llama")
-    with pytest.raises(ConfigError, match="kv_group_size must be 32, 64 or 128 and divide the head dimension 32, got 64"):
+    with pytest.raises(ConfigError,
+                       match="kv_group_size must be 32, 64 or 128 and divide the head dimension 32, got 64"):
         llama.make_cache(kv_bits=8, kv_group_size=64)
     with pytest.raises(ConfigError, match="--kv-group-size 32 needs --kv-bits"):
         llama.make_cache(kv_group_size=32)

@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
+from reference import np_ops
 
 from dflash2_mlx.drafter.conv import GroupedDynamicCausalConv, grouped_dynamic_conv
 from dflash2_mlx.drafter.selector import (
@@ -13,7 +14,7 @@ from dflash2_mlx.drafter.selector import (
     sampled_walk_ops,
     topk_candidates,
 )
-from reference import np_ops
+
 from tiny import MASK_ID, tiny_drafter, tiny_target
 
 rng = np.random.default_rng(0)

@@ -6,6 +6,7 @@ import pytest
 from dflash2_mlx import SamplingParams, generate, stream_generate
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompt_cache import PromptCache
+
 from tiny import tiny_drafter, tiny_target
 
 P1 = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12, 18, 6, 27, 33, 8, 11, 19, 25]
@@ -139,7 +140,8 @@ def test_a_cache_for_another_pair_or_width_is_refused():
     with pytest.raises(ConfigError, match="another target"):
         generate(target, P1, drafter=drafter, max_tokens=2, prompt_cache=PromptCache(target, None))
     with pytest.raises(ConfigError, match="reserve 4"):
-        generate(target, P1, drafter=drafter, max_tokens=2, block_size=6, prompt_cache=PromptCache(target, drafter, reserve=4))
+        generate(target, P1, drafter=drafter, max_tokens=2, block_size=6,
+                 prompt_cache=PromptCache(target, drafter, reserve=4))
 
 
 def test_nbytes_counts_the_caches():

@@ -20,6 +20,7 @@ from dflash2_mlx.drafter.vocab import (
     write_vocab_file,
 )
 from dflash2_mlx.errors import ConfigError
+
 from tiny import HIDDEN, MASK_ID, VOCAB, tiny_drafter, tiny_target
 
 PROMPTS = [[1, 40, 41, 42, 7, 19], [1, 5, 8, 60, 61], [1, 33, 12, 70, 71, 72]]
@@ -123,9 +124,11 @@ def test_quantized_compact_head_and_quantized_target_rows(target, vocab):
     sliced = drafter.logits(_hidden(drafter))[..., vocab.ids]
     assert 0 < float(mx.abs(drafter.proposal_logits(_hidden(drafter))[0] - sliced).max()) < 0.5
     prompt = PROMPTS[0]
-    assert generate(target, prompt, drafter=drafter, max_tokens=24).tokens == generate(target, prompt, max_tokens=24).tokens
+    assert (generate(target, prompt, drafter=drafter, max_tokens=24).tokens
+            == generate(target, prompt, max_tokens=24).tokens)
 
     from dflash2_mlx.target import Target
+
     from tiny import TinyTokenizer, tiny_model
 
     model = tiny_model("llama")
@@ -188,9 +191,8 @@ def test_load_drafter_uses_the_shipped_file(pair, tmp_path):
 
 
 def test_build_draft_vocab_from_prepared_responses(tmp_path):
-    from dflash2_mlx.train.draft_vocab import build_draft_vocab, coverage_of
-
     from dflash2_mlx.train import onpolicy
+    from dflash2_mlx.train.draft_vocab import build_draft_vocab, coverage_of
 
     onpolicy.write_jsonl_gz(tmp_path / onpolicy.PROMPTS_FILE, [{"i": 0, "ids": [1, 2]}, {"i": 1, "ids": [1]}])
     rows = [{"i": 0, "response": [7, 7, 7, 9, 9, 3], "next": 2, "finish": "stop"},

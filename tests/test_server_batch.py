@@ -11,12 +11,13 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from tiny import tiny_drafter, tiny_target
 
 from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.server.batch import batchable
 from dflash2_mlx.server.metrics import Metrics, parse
 from dflash2_mlx.server.worker import GenerationWorker, Job
+
+from tiny import tiny_drafter, tiny_target
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 7, 8], [1, 50, 51, 52, 53, 54, 55, 56, 57], [1, 30], [1, 61, 62, 63, 64],
            [1, 12, 13, 14, 15, 16, 17]]

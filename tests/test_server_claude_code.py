@@ -9,6 +9,7 @@ import json
 
 import pytest
 from test_server_harness import ServerProcess, open_stream, request, sse_events
+
 from tool_model import CALL, save_tool_pair
 
 anthropic = pytest.importorskip("anthropic")
@@ -69,7 +70,8 @@ def test_prefix_cache_reuses_the_whole_previous_turn(server):
                                {"type": "text", "text": "You are a coding agent."}])).json()
     usage = second["usage"]
     # the whole first prompt is reused (the billing header's new cch= changed nothing)
-    assert usage["cache_read_input_tokens"] >= first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"] - 1
+    assert (usage["cache_read_input_tokens"]
+            >= first["usage"]["input_tokens"] + first["usage"]["cache_read_input_tokens"] - 1)
 
 
 def test_a_prompt_over_the_window_uses_anthropics_words(server, tmp_path):

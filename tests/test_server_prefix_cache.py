@@ -10,13 +10,14 @@ from __future__ import annotations
 import openai
 import pytest
 from test_server_harness import ServerProcess, metrics, write_pair
-from tiny import tiny_drafter, tiny_target
 
 from dflash2_mlx import generate
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.paths import parse_bytes
 from dflash2_mlx.prompt_cache import PromptCache
 from dflash2_mlx.server.cache_pool import PromptCachePool
+
+from tiny import tiny_drafter, tiny_target
 
 A = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12]
 B = [2, 60, 61, 62, 63, 64, 65, 66]
@@ -55,10 +56,12 @@ def test_a_request_sharing_less_than_the_last_prompt_works_on_a_copy():
     pool = PromptCachePool(lambda: PromptCache(target, drafter))
     first = _turn(pool, target, drafter, A)
     other = A[:5] + [80, 81, 82, 83]
-    assert _turn(pool, target, drafter, other) == generate(target, other, drafter=drafter, max_tokens=12, block_size=4).tokens
+    assert (_turn(pool, target, drafter, other)
+            == generate(target, other, drafter=drafter, max_tokens=12, block_size=4).tokens)
     assert pool.stats.entries == 2
     cont = A + first + [20, 21]
-    assert _turn(pool, target, drafter, cont) == generate(target, cont, drafter=drafter, max_tokens=12, block_size=4).tokens
+    assert (_turn(pool, target, drafter, cont)
+            == generate(target, cont, drafter=drafter, max_tokens=12, block_size=4).tokens)
     assert pool._entries[next(reversed(pool._entries))].last_reuse.n_cached >= len(A) + len(first) - 1
 
 

@@ -8,9 +8,10 @@ import json
 
 import pytest
 from test_server_harness import ServerProcess, ndjson_lines, open_stream, request, sse_events
-from tool_model import ANSWER, THOUGHT, save_tool_pair
 
 from dflash2_mlx.server.reasoning import ReasoningSplit, split_all
+
+from tool_model import ANSWER, THOUGHT, save_tool_pair
 
 NAME = "tool-target"
 ASK = [{"role": "user", "content": "Think?"}]

@@ -10,11 +10,12 @@ import json
 import openai
 import pytest
 from test_server_harness import ServerProcess, open_stream, request, sse_events
-from tool_model import CALL, CALL_TEXT, save_tool_pair
 
 from dflash2_mlx.server import responses
 from dflash2_mlx.server.errors import APIError
 from dflash2_mlx.server.schema import ResponsesRequest
+
+from tool_model import CALL, CALL_TEXT, save_tool_pair
 
 NAME = "tool-target"
 TOOL = {"type": "function", "name": "weather", "description": "Weather in a city", "strict": False,
@@ -166,7 +167,8 @@ def test_refusals_name_the_field(server, body, words):
 
 def test_namespaced_tools_are_flattened_and_calls_mapped_back():
     body = ResponsesRequest(input="x", tools=[TOOL, {"type": "namespace", "name": "mcp__files__", "description": "d",
-                                                     "tools": [{"type": "function", "name": "read", "parameters": {}}]}])
+                                                     "tools": [{"type": "function", "name": "read",
+                                                                "parameters": {}}]}])
     flat, spaces = responses.flat_tools(body)
     assert [t["function"]["name"] for t in flat] == ["weather", "mcp__files__read"]
     assert spaces == {"mcp__files__read": ("mcp__files__", "read")}

@@ -58,8 +58,8 @@ def test_json_object_and_streaming(servers):
     assert text.startswith("{")
     if whole.choices[0].finish_reason == "stop":  # a random model may spend 200 tokens inside one string
         assert isinstance(json.loads(text), dict)
-    streamed = "".join(c.choices[0].delta.content or "" for c in _client(spec).chat.completions.create(**body, stream=True)
-                       if c.choices)
+    streamed = "".join(c.choices[0].delta.content or ""
+                       for c in _client(spec).chat.completions.create(**body, stream=True) if c.choices)
     assert streamed == whole.choices[0].message.content
     assert _client(plain).chat.completions.create(**body).choices[0].message.content == streamed
 

@@ -9,6 +9,7 @@ import json
 import openai
 import pytest
 from test_server_harness import ServerProcess, request, write_pair
+
 from tool_model import CALL, save_tool_pair
 
 NAME = "tool-target"
@@ -240,7 +241,8 @@ def _stream_events(parser, start, end, text: str, step: int = 1, parallel: bool 
     collector = CallCollector.__new__(CallCollector)
     from dflash2_mlx.server.tools import ToolCallStream
 
-    collector.stream, collector.bare, collector.parallel, collector.calls = ToolCallStream(tok, TOOLS), None, parallel, []
+    collector.stream, collector.bare, collector.parallel, collector.calls = (ToolCallStream(tok, TOOLS), None,
+                                                                             parallel, [])
     collector.forced = False
     items = []
     for i in range(0, len(text), step):

@@ -10,7 +10,6 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
-from tiny import tiny_drafter, tiny_target
 
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.sampling import SamplingParams
@@ -20,6 +19,8 @@ from dflash2_mlx.server.errors import APIError, validation_message
 from dflash2_mlx.server.metrics import Metrics, parse
 from dflash2_mlx.server.worker import Failed, GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
 from dflash2_mlx.session import Session
+
+from tiny import tiny_drafter, tiny_target
 
 PROMPT = [1, 40, 41, 42, 43]
 

@@ -7,6 +7,7 @@ import pytest
 from dflash2_mlx import generate
 from dflash2_mlx.caches import RecurrentCache
 from dflash2_mlx.recurrent import GatedDeltaReplay, MixerReplay, replay_layers, replay_stacked
+
 from test_engine import PROMPT, ScriptedDrafter
 from tiny import FAMILIES, tiny_drafter, tiny_target
 
@@ -143,6 +144,8 @@ def test_greedy_generation_is_identical_with_stacked_per_layer_and_generic_repla
         scripted = generate(target, PROMPT, drafter=ScriptedDrafter(target, truth, block_size), max_tokens=40)
         assert scripted.tokens == plain, name
         assert {c.n_accepted for c in scripted.speculative_cycles} == set(range(block_size))
-        drafted = generate(target, PROMPT, drafter=tiny_drafter(target, "dflash2", block_size=block_size, n_target_layers=12), max_tokens=40)
+        drafted = generate(target, PROMPT,
+                           drafter=tiny_drafter(target, "dflash2", block_size=block_size, n_target_layers=12),
+                           max_tokens=40)
         assert drafted.tokens == plain, name
     assert stack_calls and set(stack_calls) == {8}

@@ -8,6 +8,7 @@ from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, Rot
 from dflash2_mlx.caches import RecurrentCache, WindowKVCache, adapt_cache
 from dflash2_mlx.errors import ConfigError, UnsupportedCacheError
 from dflash2_mlx.target import HiddenTap, Target
+
 from tiny import FAMILIES, TinyTokenizer, tiny_model, tiny_target
 
 rng = np.random.default_rng(2)
@@ -71,6 +72,7 @@ def test_load_target_dtype_keeps_what_the_family_keeps_in_fp32(tmp_path):
     from mlx.utils import tree_flatten
 
     from dflash2_mlx.target import load_target
+
     from tiny import save_tiny_pair
 
     target_dir, _ = save_tiny_pair(tmp_path, family="qwen3_5")

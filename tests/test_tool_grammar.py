@@ -11,13 +11,14 @@ import json
 
 import numpy as np
 import pytest
-from tiny import tiny_drafter, tiny_model
 
 from dflash2_mlx import generate
 from dflash2_mlx.constraint import GrammarConstraint
 from dflash2_mlx.server.errors import APIError
 from dflash2_mlx.server.tool_grammar import FORMATS, call_format, forced_call_grammar
 from dflash2_mlx.target import Target
+
+from tiny import tiny_drafter, tiny_model
 
 pytest.importorskip("llguidance")
 

@@ -10,13 +10,14 @@ from mlx.utils import tree_flatten
 from dflash2_mlx import load_drafter
 from dflash2_mlx.train import onpolicy
 from dflash2_mlx.train.data import iter_json_array
-from dflash2_mlx.train.shards import FeatureShard
+from dflash2_mlx.train.dataset import FeatureDataset
 from dflash2_mlx.train.export import export_drafter
 from dflash2_mlx.train.init import default_target_layer_ids, new_config, new_drafter, upgrade_to_v2
-from dflash2_mlx.train.dataset import FeatureDataset
 from dflash2_mlx.train.loop import TrainConfig, Trainer
 from dflash2_mlx.train.loss import Batch, position_weights, selector_terms
 from dflash2_mlx.train.model import FrozenParts, training_hidden, training_mask
+from dflash2_mlx.train.shards import FeatureShard
+
 from tiny import MASK_ID, tiny_drafter, tiny_target
 
 PROMPTS = ["Hello there", "What is 2+2?", "Tell me a story.", "abc def ghi", "Why?", "Count: 1 2 3",
@@ -62,7 +63,8 @@ def test_truncated_json_array_yields_complete_elements(tmp_path):
 
 def test_block_mask_sees_context_strictly_before_anchor_and_own_block_only():
     anchors = mx.array([[3, 6]])
-    m = np.array(training_mask(anchors, n_ctx=8, valid_ctx=mx.array([8]), block_size=3, window=None, causal=False))[0, 0]
+    m = np.array(training_mask(anchors, n_ctx=8, valid_ctx=mx.array([8]), block_size=3, window=None,
+                               causal=False))[0, 0]
     ctx, blk = m[:, :8], m[:, 8:]
     for q in range(6):
         a = q // 3

@@ -5,20 +5,26 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
+from typer.testing import CliRunner
 
 from dflash2_mlx import prompts as suites
-from dflash2_mlx.train.corpus import (EvalFilter, conversation_ids, filter_documents, heldout_prompts, python_sources,
-                                      training_prompts)
+from dflash2_mlx.cli import app
+from dflash2_mlx.train.corpus import (
+    EvalFilter,
+    conversation_ids,
+    filter_documents,
+    heldout_prompts,
+    python_sources,
+    training_prompts,
+)
 from dflash2_mlx.train.data import teacher_forced_features
-from dflash2_mlx.train.shards import FeatureShard
 from dflash2_mlx.train.dataset import AnchorSampler, FeatureDataset
 from dflash2_mlx.train.loss import Batch, LossWeights, TrainVocab, drafter_loss, position_weights, selector_terms
 from dflash2_mlx.train.model import FrozenParts, training_hidden
-from mlx.utils import tree_flatten
-from tiny import MASK_ID, save_tiny_pair, tiny_drafter, tiny_target
-from typer.testing import CliRunner
+from dflash2_mlx.train.shards import FeatureShard
 
-from dflash2_mlx.cli import app
+from tiny import MASK_ID, save_tiny_pair, tiny_drafter, tiny_target
 
 TEMPLATE = ("{% for m in messages %}{{ 'U: ' if m.role == 'user' else 'A: ' }}{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}A: {% endif %}")

@@ -10,6 +10,7 @@ from dflash2_mlx.train import onpolicy
 from dflash2_mlx.train.data import target_pass
 from dflash2_mlx.train.generate import CaptureGenerator, top_logprobs
 from dflash2_mlx.train.shards import FeatureShard
+
 from tiny import tiny_target
 
 TAPS = (0, 2, 3)

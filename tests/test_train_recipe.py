@@ -13,6 +13,7 @@ from dflash2_mlx.train.init import new_config, new_drafter
 from dflash2_mlx.train.loop import TrainConfig, Trainer, lr_schedule
 from dflash2_mlx.train.loss import Batch, dpace_weights, selector_terms, soft_label_kl
 from dflash2_mlx.train.model import FrozenParts
+
 from tiny import MASK_ID, tiny_drafter, tiny_target
 
 TAPS = (0, 2, 3)

@@ -3,11 +3,11 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from reference import np_ops
 from scipy import stats
 
 from dflash2_mlx import verify
 from dflash2_mlx.verify import dense_q, greedy_accept, one_hot_q, rejection_sample, residual_distribution
-from reference import np_ops
 
 rng = np.random.default_rng(1)
 
@@ -152,6 +152,7 @@ class OverlapDrafter:
 
     def __init__(self, target, prompt):
         from dflash2_mlx.drafter.config import parse_config
+
         from tiny import drafter_config_dict
 
         self.config = parse_config(drafter_config_dict("dflash", block_size=3, target_layers=(1,)))
@@ -192,6 +193,7 @@ def _engine_first_three(make_drafter, n_draws, seed0, fresh=False):
     built once and reused, as a session does (its per-generation state is its DraftContext);
     `fresh` builds one per draw, for drafters that keep state of their own."""
     from dflash2_mlx import SamplingParams, generate
+
     from tiny import tiny_target
 
     target = tiny_target("qwen3")
@@ -249,6 +251,7 @@ def _real_v2(target):
 def _compact_v2(target):
     # Even ids only: the target's top-4 support straddles the subset, so q = 0 on part of it.
     from dflash2_mlx.drafter.vocab import ProposalVocab
+
     from tiny import VOCAB
 
     drafter = _real_v2(target)

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from tiny import TinyTokenizer, VOCAB
+from tiny import VOCAB, TinyTokenizer
 
 HIDDEN = 128  # >= the vocab, so embeddings can be one-hot and the successor map exact
 CALL = {"name": "weather", "arguments": {"city": "Paris"}}  # "_" is not in the tiny vocab
@@ -102,6 +102,7 @@ def save_tool_pair(root, thinking: bool = False) -> tuple[Path, Path]:
     from dflash2_mlx.drafter.config import parse_config
     from dflash2_mlx.drafter.load import save_drafter
     from dflash2_mlx.drafter.model import Drafter
+
     from tiny import drafter_config_dict
 
     root = Path(root)

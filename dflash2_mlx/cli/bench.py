@@ -8,8 +8,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (BlockSizeOpt, DraftBitsOpt, DrafterOpt, DraftVocabOpt, KvBitsOpt, KvGroupSizeOpt, ModelArg,
-                     SeedOpt, TempOpt, TopPOpt, print_json, user_errors, warn_slow_blas)
+from .common import (
+    BlockSizeOpt,
+    DraftBitsOpt,
+    DrafterOpt,
+    DraftVocabOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
+    ModelArg,
+    SeedOpt,
+    TempOpt,
+    TopPOpt,
+    print_json,
+    user_errors,
+    warn_slow_blas,
+)
 
 EXAMPLES = """
 Modes: [bold]ar[/bold] = plain decoding (the baseline); [bold]mlx_lm[/bold] = mlx_lm.stream_generate \
@@ -61,11 +74,12 @@ def bench(
     n: Annotated[int, typer.Option("--n", min=1, help="Prompts per suite (evenly spaced over the set).")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 256,
     modes: Annotated[Optional[str], typer.Option("--modes", "-m", help="Comma-separated modes: ar, dflash, "
-                                                 f"dflash2, each optionally @WIDTH or @auto. [default: {DEFAULT_MODES}, "
-                                                 "skipping modes without a drafter]")] = None,
+                                                 "dflash2, each optionally @WIDTH or @auto. [default: "
+                                                 f"{DEFAULT_MODES}, skipping modes without a drafter]")] = None,
     drafter: DrafterOpt = None,
     drafter_v1: Annotated[Optional[str], typer.Option("--drafter-v1", help="DFlash (v1) drafter for the 'dflash' "
-                                                      "mode. Default: the registry's v1 drafter for this target.")] = None,
+                                                      "mode. Default: the registry's v1 drafter for this "
+                                                      "target.")] = None,
     draft_bits: DraftBitsOpt = None,
     draft_vocab: DraftVocabOpt = None,
     temp: TempOpt = 0.0,
@@ -217,8 +231,14 @@ def _context_lengths(value: str | None) -> list[int]:
 
 
 def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv):
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-        TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     total = sum(len(s.prompts) for s in suites) * len(modes)
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),

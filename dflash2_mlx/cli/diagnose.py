@@ -46,7 +46,8 @@ def diagnose(
     top_k: Annotated[Optional[int], typer.Option("--top-k", min=1, help="Candidates for Recall@k and the oracle. "
                                                  "Default: the selector's (16).")] = None,
     draft_bits: DraftBitsOpt = None,
-    actual: Annotated[bool, typer.Option("--actual/--no-actual", help="Also decode speculatively for τ actual.")] = True,
+    actual: Annotated[bool, typer.Option("--actual/--no-actual", help="Also decode speculatively for "
+                                                                      "τ actual.")] = True,
     bundled: Annotated[bool, typer.Option("--bundled", help="Use the bundled prompt samples.")] = False,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Write the figures as JSON to this file "
                                                     "('-' = stdout, tables then go to stderr).")] = None,

@@ -25,7 +25,8 @@ def _describe(alias: str, entry: dict) -> dict:
     _, target, drafter = hub.locate(alias)
     row = {"alias": alias, "target": entry["target"], "drafter": entry.get("drafter"),
            "defaults": entry.get("defaults", {}), "params": entry.get("params"),
-           "description": entry.get("description", ""), "offline_fallback": " ".join(assets.requirements(entry["target_wheel"]))
+           "description": entry.get("description", ""),
+           "offline_fallback": " ".join(assets.requirements(entry["target_wheel"]))
            if "target_wheel" in entry else None, "notes": entry.get("notes", [])}
     row["target_cached"] = str(target.path) if target.path else None
     row["target_bytes"] = paths.dir_size(target.path) if target.path else 0

@@ -64,7 +64,8 @@ def run(
     kv_group_size: KvGroupSizeOpt = None,
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt for the chat template.")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed PROMPT as raw text.")] = False,
-    think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that have one.")] = None,
+    think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that "
+                                                                             "have one.")] = None,
     prompt_cache: Annotated[Optional[Path], typer.Option(
         "--prompt-cache", metavar="FILE", help="Start from the caches saved in FILE for the prefix the prompt "
                                                "shares with them (a long system prompt, a document) and save "

@@ -10,8 +10,17 @@ from typing import Annotated, Optional
 
 import typer
 
-from .common import (BlockSizeOpt, DraftBitsOpt, DrafterOpt, JsonOpt, KvBitsOpt, KvGroupSizeOpt, ModelArg, user_errors,
-                     warn_slow_blas)
+from .common import (
+    BlockSizeOpt,
+    DraftBitsOpt,
+    DrafterOpt,
+    JsonOpt,
+    KvBitsOpt,
+    KvGroupSizeOpt,
+    ModelArg,
+    user_errors,
+    warn_slow_blas,
+)
 
 EXAMPLES = """
 Examples:
@@ -126,9 +135,9 @@ def serve(
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
     json_out: JsonOpt = False,
 ) -> None:
+    from ..paths import parse_bytes
     from ..server import ServerConfig
     from ..server import serve as run_server
-    from ..paths import parse_bytes
     from ..server.app import check_kv_batching
     from ..server.dispatch import served_name
     from ..session import Session

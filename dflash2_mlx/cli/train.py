@@ -53,7 +53,8 @@ def _ids(text: str | None) -> list[int] | None:
 @user_errors
 def prepare_data(
     model: ModelArg = None,
-    out: Annotated[Path, typer.Option("--out", help="Run directory (prompts, tokens/, feat/, progress).")] = Path("data"),
+    out: Annotated[Path, typer.Option("--out", help="Run directory (prompts, tokens/, feat/, "
+                                                    "progress).")] = Path("data"),
     n_prompts: Annotated[int, typer.Option("--n-prompts", min=1, help="How many prompts to answer.")] = 2048,
     mix: Annotated[str, typer.Option("--mix", help="Prompt sources and shares: sharegpt (first turns), turns "
                                                   "(later turns with history), code, math.")] =
@@ -273,15 +274,16 @@ def fit(
     decay_frac: Annotated[float, typer.Option("--decay-frac", min=0.0, max=1.0, help="WSD: share of the steps "
                                                                                    "spent decaying.")] = 0.2,
     fit_taps: Annotated[Optional[str], typer.Option("--taps", help="Train on these stored taps only (a subset "
-                                                                   "of DATA/feat/taps.json), e.g. 1,8,14,20,27.")] = None,
+                                                                   "of DATA/feat/taps.json), e.g. "
+                                                                   "1,8,14,20,27.")] = None,
     eval_blocks: Annotated[str, typer.Option("--eval-blocks", help="Block sizes of the exact simulated "
                                                                    "acceptance evaluation.")] = "4,8",
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoint.")] = True,
 ) -> None:
     from ..drafter.load import load_drafter
-    from ..train.init import new_config, new_drafter, upgrade_to_v2
     from ..train.dataset import FeatureDataset, tap_columns
+    from ..train.init import new_config, new_drafter, upgrade_to_v2
     from ..train.loop import TrainConfig, Trainer
     from ..train.model import FrozenParts
 
@@ -301,8 +303,8 @@ def fit(
     if warm_start is not None:
         drafter = load_drafter(warm_start, target, dtype="float32", draft_vocab=0)  # shipped bf16; train fp32
         if drafter.config.is_v2 != (arch == "dflash2"):
-            raise typer.BadParameter(f"--warm-start {warm_start} is a {'dflash2' if drafter.config.is_v2 else 'dflash'} "
-                                     f"drafter, --arch is {arch}")
+            raise typer.BadParameter(f"--warm-start {warm_start} is a "
+                                     f"{'dflash2' if drafter.config.is_v2 else 'dflash'} drafter, --arch is {arch}")
         if list(drafter.config.target_layer_ids) != taps:
             raise typer.BadParameter(f"--warm-start drafter taps {list(drafter.config.target_layer_ids)} != data "
                                      f"taps {taps}")
@@ -403,8 +405,8 @@ def eval_cmd(
     vocab, _ = _train_vocab(vocab_file, train_vocab_size, target.info.vocab_size)
     d.target = FrozenParts.from_target(target)
     data_set = FeatureDataset(shards, columns=columns)
-    result = simulate(d, data_set, tuple(_ids(blocks) or (4, 8)), vocab, None if vocab is None else vocab.head(d.target),
-                      anchors, seqs, _sources_of(data, data_set))
+    result = simulate(d, data_set, tuple(_ids(blocks) or (4, 8)), vocab,
+                      None if vocab is None else vocab.head(d.target), anchors, seqs, _sources_of(data, data_set))
     result = {"drafter": str(spec.drafter), "data": str(data), "vocab": vocab.size if vocab else 0, **result}
     if json_out:
         typer.echo(json.dumps(result))
@@ -484,9 +486,12 @@ def export(
 def draft_vocab(
     model: ModelArg = None,
     drafter: Annotated[Optional[Path], typer.Option("--drafter", "-d", help="Drafter directory to write into "
-                                                                            "(default: the model's shipped one).")] = None,
-    data: Annotated[Optional[Path], typer.Option("--data", help="Also count responses of this prepare-data dir.")] = None,
-    conversations: Annotated[int, typer.Option("--conversations", min=0, help="ShareGPT conversations counted.")] = 4000,
+                                                                            "(default: the model's shipped "
+                                                                            "one).")] = None,
+    data: Annotated[Optional[Path], typer.Option("--data", help="Also count responses of this prepare-data "
+                                                                "dir.")] = None,
+    conversations: Annotated[int, typer.Option("--conversations", min=0,
+                                               help="ShareGPT conversations counted.")] = 4000,
     size: Annotated[int, typer.Option("--size", min=1, help="Default proposal vocab size.")] = 8192,
     keep: Annotated[int, typer.Option("--keep", min=1, help="Ranked ids stored (largest size selectable).")] = 16384,
     seed: Annotated[int, typer.Option("--seed")] = 0,

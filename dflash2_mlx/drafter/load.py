@@ -18,10 +18,10 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ConfigError, WeightsError
+from ..paths import atomic_path
 from .config import DrafterConfig, check_fits, parse_config
 from .model import Drafter
 from .vocab import resolve_vocab
-from ..paths import atomic_path
 
 _CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 _MUSE_RENAMES = {"encoder.fc.": "fc.", "encoder.output_norm_enc.": "hidden_norm."}

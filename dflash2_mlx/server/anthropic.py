@@ -288,7 +288,8 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
     params = dispatch.sampling(state, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages",
                           constraint=constraint)
-    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel, forced=choice not in ("auto", "none"))
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel,
+                                forced=choice not in ("auto", "none"))
     split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
     if body.stream:
         events = _events(state, job, calls, split, _shows_thinking(body))

@@ -129,7 +129,8 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
             await anyio.to_thread.run_sync(state.worker.close)
 
     app = FastAPIOffline(title="dflash2", version=__version__, lifespan=lifespan, redoc_url=None,
-                         description="DFlash 2 speculative decoding on MLX: OpenAI-, Ollama- and Anthropic-compatible API.")
+                         description="DFlash 2 speculative decoding on MLX: OpenAI-, Ollama- and "
+                                     "Anthropic-compatible API.")
     app.state.dflash = state
     errors.install(app)
     app.add_middleware(Guard, state=state)

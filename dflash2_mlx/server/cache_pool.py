@@ -5,7 +5,8 @@ generates with it, and checks it back in, now covering its prompt and reply, as 
 recently used. A request that goes on from the entry's last prompt (the next turn of that
 chat, or the same prompt again) takes the entry; one that shares less (another chat with the
 same system prompt) takes a copy, so the entry stays for its own conversation. Entries are
-evicted least recently used first until the total fits `max_bytes`. Only the generation worker thread calls in; `snapshot` may be read from any thread.
+evicted least recently used first until the total fits `max_bytes`. Only the generation worker
+thread calls in; `snapshot` may be read from any thread.
 One pool serves one (target, drafter) pair, so an entry is never used for another.
 """
 

@@ -23,9 +23,9 @@ from fastapi import Depends, Request
 from .._version import __version__
 from ..errors import ConfigError, DFlashError
 from ..sampling import SamplingParams
+from .cache_pool import PromptCachePool
 from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
 from .errors import APIError
-from .cache_pool import PromptCachePool
 from .metrics import Metrics
 from .response_store import ResponseStore
 from .worker import GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
@@ -115,7 +115,8 @@ def speculation_info(state: ServerState) -> dict:
         return {"drafter": None, "width_policy": "plain", "active": False,
                 "fallback_reason": "no drafter is loaded: every request decodes plainly"}
     fixed = session.block_size or session.drafter.config.block_size
-    info = {"drafter": public_name(session.spec.drafter), "width_policy": "auto" if fixed == "auto" else f"fixed {fixed}",
+    info = {"drafter": public_name(session.spec.drafter),
+            "width_policy": "auto" if fixed == "auto" else f"fixed {fixed}",
             "active": True, "fallback_reason": None, "tokens_per_cycle": round(state.metrics.tokens_per_cycle(), 4)}
     policy = session.policy
     if policy is not None:

@@ -7,8 +7,8 @@ status. All updates take one lock, so `/metrics` always reads a consistent snaps
 from __future__ import annotations
 
 import collections
-import math
 import json
+import math
 import threading
 import time
 from collections import Counter

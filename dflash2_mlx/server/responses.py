@@ -262,7 +262,8 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     logprobs = body.top_logprobs if body.top_logprobs is not None else (
         0 if "message.output_text.logprobs" in (body.include or []) else None)
     job = dispatch.submit(state, ids, params, n_max, [], "responses", logprobs, constraint)
-    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel, forced=choice not in ("auto", "none"))
+    calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel,
+                                forced=choice not in ("auto", "none"))
     split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
     run = _Run(state, body, job, calls, spaces, messages, split)
     if body.stream:

@@ -95,8 +95,8 @@ def resolve_tool_choice(choice: Any, tools: list[dict] | None, param: str = "too
             raise APIError(400, f"{param} must be 'none', 'auto', 'required' or {{'type': 'function', 'function': "
                                 "{'name': ...}}", "invalid_value", param)
         if name not in tool_names(tools):
-            raise APIError(400, f"{param} names {name!r}, which is not among the tools ({', '.join(tool_names(tools))})",
-                           "invalid_value", param)
+            raise APIError(400, f"{param} names {name!r}, which is not among the tools "
+                                f"({', '.join(tool_names(tools))})", "invalid_value", param)
         return name
     raise APIError(400, f"{param} must be 'none', 'auto', 'required' or a named function, got {choice!r}",
                    "invalid_value", param)

@@ -9,8 +9,8 @@ can (not seeded); once a batch exists the solo reply moves into it, and a solo r
 cannot (seeded) alternates one cycle with one batch step. Each engine event is posted to its
 job's asyncio queue on the event loop. A cancelled job stops at the next cycle or step: the
 worker checks the flag after every event, so at most one cycle runs after `cancel`; during a
-solo prefill the flag is checked before each `prefill_chunk` of the prompt. A job cut by shutdown ends with a 503 failure, so
-its client sees an error rather than a truncated reply.
+solo prefill the flag is checked before each `prefill_chunk` of the prompt. A job cut by
+shutdown ends with a 503 failure, so its client sees an error rather than a truncated reply.
 """
 
 from __future__ import annotations

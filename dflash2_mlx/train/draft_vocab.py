@@ -62,7 +62,8 @@ def build_draft_vocab(tokenizer, vocab_size: int, out_dir: Path, n_conversations
         own = list(prepared_responses(data_dir))
         n_own = sum(len(r) for r in own)
         counts = counts + count_tokens(own, vocab_size)
-    source = {"built_by": "dflash2 train draft-vocab", "tokenizer": target_name or getattr(tokenizer, "name_or_path", None),
+    source = {"built_by": "dflash2 train draft-vocab",
+              "tokenizer": target_name or getattr(tokenizer, "name_or_path", None),
               "sharegpt_conversations": n_conversations, "sharegpt_seed": seed,
               "sharegpt_tokens": int(counts.sum()) - n_own, "target_response_tokens": n_own,
               "data_dir": str(data_dir) if data_dir else None, "distinct_ids_seen": int((counts > 0).sum())}

@@ -22,13 +22,13 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from ..drafter.load import read_checkpoint, save_drafter, build_drafter
 from ..drafter.config import parse_config
+from ..drafter.load import build_drafter, read_checkpoint, save_drafter
+from ..paths import atomic_path
 from . import tied
 from .dataset import AnchorSampler, FeatureDataset
 from .evaluate import simulate
 from .loss import Batch, LossWeights, TrainVocab, drafter_loss, estimated_tau, position_weights
-from ..paths import atomic_path
 
 
 @dataclass

@@ -133,9 +133,9 @@ def selector_terms(selector, hidden: mx.array, logits: mx.array, batch: Batch, c
     """The selector's loss terms and hit masks per position (`SelectorTerms`).
 
     `column_ids` maps logit columns to vocab ids (a train vocab), and `label_columns` [S, A, B-1]
-    is each label's column there (-1: none); both None when columns are ids. `inject_gold`: where the true token is not among the top-k, it replaces the weakest
-    candidate (with its own unary logit) for the loss; the hit and pick masks stay those of
-    the real top-k.
+    is each label's column there (-1: none); both None when columns are ids. `inject_gold`:
+    where the true token is not among the top-k, it replaces the weakest candidate (with its
+    own unary logit) for the loss; the hit and pick masks stay those of the real top-k.
     """
     k = min(selector.top_k, logits.shape[-1])
     cols = mx.stop_gradient(mx.argpartition(logits, kth=-k, axis=-1)[..., -k:])

@@ -78,7 +78,8 @@ def kernel_name(name: str, template, inputs, output_dtypes) -> str:
         args = ", ".join(_template_value(v) for _, v in template)
         out += "_" + f"_{args}_".replace(", ", "_")[:-1]
     for arr in inputs:
-        out += "_" + type_string(arr.dtype) + ("s" if arr.ndim == 0 else "c" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "")
+        out += "_" + type_string(arr.dtype) + ("s" if arr.ndim == 0
+                                               else "c" if arr.size < MAX_CONSTANT_ARRAY_SIZE else "")
     for dtype in output_dtypes:
         out += "_" + type_string(dtype)
     return out
@@ -226,10 +227,11 @@ class EmulatedKernel:
 
     def _run(self, exe, inputs, output_shapes, output_dtypes, grid, threadgroup, init_value):
         hosts = [_host(x) for x in inputs]
-        outs = [(np.dtype(TYPE_STRINGS[d][1]), int(np.prod(s, dtype=np.int64))) for s, d in zip(output_shapes, output_dtypes)]
+        outs = [(np.dtype(TYPE_STRINGS[d][1]), int(np.prod(s, dtype=np.int64)))
+                for s, d in zip(output_shapes, output_dtypes)]
         fill = "poison 0" if init_value is None else None
-        lines = [f"grid {grid[0]} {grid[1]} {grid[2]}", f"threadgroup {threadgroup[0]} {threadgroup[1]} {threadgroup[2]}",
-                 f"inputs {len(hosts)}"]
+        lines = [f"grid {grid[0]} {grid[1]} {grid[2]}",
+                 f"threadgroup {threadgroup[0]} {threadgroup[1]} {threadgroup[2]}", f"inputs {len(hosts)}"]
         lines += [f"{h.itemsize} {h.ndim} " + " ".join(str(d) for d in h.shape) for h in hosts]
         lines.append(f"outputs {len(outs)}")
         for dt, count in outs:

@@ -42,11 +42,23 @@ stage_ab() {
       --out runs/ab --json docs/results/drafter-training/ab_round1.json
 }
 
+# 3. The long run: warm-started from the shipped v2 drafter (its taps), trained at block 4 (A/B
+#    round 1), WSD at lr 1e-3 with a long stable phase; STEPS sets where the decay ends, and a
+#    resume with a smaller STEPS starts the decay early (the rate before it does not depend on STEPS).
+stage_long() {
+  dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
+      --warm-start models/smollm2-135m-dflash2 --block-size 4 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd \
+      --train-vocab models/smollm2-135m-dflash2/proposal_vocab.json --train-vocab-size 8192 --taps 1,8,14,20,27 \
+      --steps "${STEPS:-20000}" --eval-every 1000 --save-every 250 --eval-blocks 4,8 --seed 0 \
+      --out "${OUT:-runs/v3-long}" --shards "${SHARDS:-onp-0000[0-3]-*}" --resume
+}
+
 case "${1:-all}" in
   data) stage_data ;;
   eval) stage_eval ;;
   rebuild) rebuild_features ;;
   ab) stage_ab ;;
+  long) stage_long ;;
   all) stage_data; stage_eval; stage_ab ;;
-  *) echo "usage: $0 [data|eval|rebuild|ab|all]" >&2; exit 2 ;;
+  *) echo "usage: $0 [data|eval|rebuild|ab|long|all]" >&2; exit 2 ;;
 esac
