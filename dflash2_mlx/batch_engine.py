@@ -98,6 +98,7 @@ class SpeculativeBatch:
         self._ids = itertools.count()
         self.n_cycles = 0
         self.last_width = 0
+        self.failures: list[tuple[int, Exception]] = []  # rows that failed alone, for `take_failures`
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining)
@@ -164,13 +165,40 @@ class SpeculativeBatch:
             budget = self.prefill_step_size  # prompt tokens this step, shared by the joining rows in order
             while self.joining and budget > 0:
                 row, fed = self.joining[0], self.joining[0].run.fed
-                out += self._prefill_chunk(row, budget)
+                try:
+                    out += self._prefill_chunk(row, budget)
+                except Exception as e:  # noqa: BLE001 - this row's own failure (a grammar, a stop string)
+                    self._fail_joining(row, e)
+                    continue
                 budget -= row.run.fed - fed
                 if self.joining and self.joining[0] is row:
                     break  # its prompt goes on next step
             if self.rows:
                 out += self._cycle()
         return out
+
+    def take_failures(self) -> list[tuple[int, Exception]]:
+        """The rows that failed since the last call (they have left; the others go on)."""
+        failures, self.failures = self.failures, []
+        return failures
+
+    def _fail_joining(self, row: _Row, error: Exception) -> None:
+        if row in self.joining:
+            self.joining.remove(row)
+        if row.prompt_cache is not None:
+            row.prompt_cache.reset()  # mid-prefill or mid-turn: nothing in it can be trusted
+        self.failures.append((row.id, error))
+
+    def _drop_failed(self, failed: dict[int, Exception]) -> None:
+        """Rows (by batch index) whose own processing raised leave without their caches."""
+        for b in sorted(failed):
+            row = self.rows[b]
+            if row.prompt_cache is not None:
+                row.prompt_cache.reset()
+            self.failures.append((row.id, failed[b]))
+        kept = [b for b in range(len(self.rows)) if b not in failed]
+        batch_cache.keep_rows(self.cache, kept)
+        self.rows = [self.rows[b] for b in kept]
 
     def _prefill_chunk(self, row: _Row, budget: int) -> list:
         """Prefill up to `budget` more prompt tokens of `row` (and, at the mark, the last one);
@@ -204,24 +232,33 @@ class SpeculativeBatch:
         self.last_width = w
         t0 = time.perf_counter()
         runs = [r.run for r in self.rows]
+        failed: dict[int, Exception] = {}  # batch index -> the error of that row alone
         if w >= 2:
-            emitted, n_acc, infos, t1 = self._speculate(runs, w)
+            emitted, n_acc, infos, t1 = self._speculate(runs, w, failed)
         else:
-            emitted, n_acc, infos, t1 = self._plain(runs)
+            emitted, n_acc, infos, t1 = self._plain(runs, failed)
         t2 = time.perf_counter()
         cycle = CycleStats(w, w - 1, round(sum(n_acc) / B), 0, t1 - t0, t2 - t1)  # the policy's view: a mean row
         if self.policy is not None and self.drafter is not None:
             self.policy.observe(B, cycle, [(w - 1, n) for n in n_acc])
         out, done = [], []
-        for row, tokens, n, info in zip(self.rows, emitted, n_acc, infos):
-            kept, finish = row.stopper.feed(tokens)
-            row.run.history.extend(tokens)
-            finish = _commit(row.run, tokens, finish)
+        for b, (row, tokens, n, info) in enumerate(zip(self.rows, emitted, n_acc, infos)):
+            if b in failed:
+                continue
+            try:
+                kept, finish = row.stopper.feed(tokens)
+                row.run.history.extend(tokens)
+                finish = _commit(row.run, tokens, finish)
+            except Exception as e:  # noqa: BLE001 - this row's own failure
+                failed[b] = e
+                continue
             stats = CycleStats(w, w - 1, n, len(tokens), cycle.draft_s, cycle.verify_s)
             out.append((row.id, self._event(row, kept, stats, finish, info)))
             if finish is not None:
                 done.append(row)
-        self._leave(done)
+        gone = {id(row) for row in done}
+        self._drop_failed(failed)  # before `_leave`: batch indices still as in this cycle
+        self._leave([row for row in self.rows if id(row) in gone])
         self.n_cycles += 1
         if self.n_cycles % COMPACT_EVERY == 0:
             batch_cache.compact(self.cache)
@@ -229,30 +266,38 @@ class SpeculativeBatch:
             mx.clear_cache()
         return out
 
-    def _speculate(self, runs: list[_Run], w: int):
-        proposals = [propose(run, w) for run in runs]
-        drafts = mx.stack([p[1] for p in proposals])
+    def _speculate(self, runs: list[_Run], w: int, failed: dict):
+        blank = (None, mx.zeros((w - 1,), mx.int32), None, 0.0)  # a failed row's place in the verify
+        proposals = [_guarded(failed, b, propose, run, w) or blank for b, run in enumerate(runs)]
+        drafts = mx.stack([p[1].astype(mx.int32) for p in proposals])
         anchors = mx.array([[run.history[-1]] for run in runs], dtype=drafts.dtype)
         mx.eval(drafts)
         t1 = time.perf_counter()
         self.target.arm(self.cache)
         logits, hidden = self.target.forward(mx.concatenate([anchors, drafts], axis=1), self.cache, self.taps, "all")
-        verdicts = [verdict(run, logits[b], p[1], p[0], p[2]) for b, (run, p) in enumerate(zip(runs, proposals))]
-        mx.eval([v[0] for v in verdicts], [[x for x in v[1] or () if x is not None] for v in verdicts])
+        verdicts = [None if b in failed else _guarded(failed, b, verdict, run, logits[b], p[1], p[0], p[2])
+                    for b, (run, p) in enumerate(zip(runs, proposals))]
+        live = [v for v in verdicts if v is not None]
+        mx.eval([v[0] for v in live], [[x for x in v[1] or () if x is not None] for v in live])
         emitted, n_acc, infos = [], [], []
-        for run, (_, d, _, _), (outputs, info, _) in zip(runs, proposals, verdicts):
-            draft_list = d.tolist()
-            n, nxt = accepted(run, draft_list, outputs)
-            emitted.append(draft_list[:n] + [nxt])
+        for b, (run, (_, d, _, _), v) in enumerate(zip(runs, proposals, verdicts)):
+            picked = None if v is None else _guarded(failed, b, accepted, run, d.tolist(), v[0])
+            if picked is None:  # a failed row keeps its anchor only, then leaves
+                emitted.append([]), n_acc.append(0), infos.append(None)
+                continue
+            n, nxt = picked
+            emitted.append(d.tolist()[:n] + [nxt])
             n_acc.append(n)
-            infos.append(_logprob_list(info, emitted[-1]))
+            infos.append(_logprob_list(v[1], emitted[-1]))
         self.target.commit_rows(self.cache, w, [n + 1 for n in n_acc])
         for b, (run, n) in enumerate(zip(runs, n_acc)):
+            if b in failed:
+                continue
             run.context.feed(hidden[b : b + 1, : n + 1])
             run.fed += n + 1
         return emitted, n_acc, infos, t1
 
-    def _plain(self, runs: list[_Run]):
+    def _plain(self, runs: list[_Run], failed: dict):
         t1 = time.perf_counter()
         anchors = mx.array([[run.history[-1]] for run in runs])
         logits, hidden = self.target.forward(anchors, self.cache, self.taps, "all")
@@ -260,10 +305,13 @@ class SpeculativeBatch:
             emitted = [[t] for t in mx.argmax(logits[:, -1], axis=-1).tolist()]
             infos = [None] * len(runs)
         else:
-            picks = [_choose(run, logits[b], [], run.next_key()) for b, run in enumerate(runs)]
-            infos = [_logprobs(run, rows, token) for run, (token, rows) in zip(runs, picks)]
+            zero = (mx.array(0), None)  # a failed row's place
+            picks = [_guarded(failed, b, _choose, run, logits[b], [], run.next_key()) or zero
+                     for b, run in enumerate(runs)]
+            infos = [None if b in failed else _logprobs(run, rows, token)
+                     for b, (run, (token, rows)) in enumerate(zip(runs, picks))]
             mx.eval([t for t, _ in picks], [[x for x in i or () if x is not None] for i in infos])
-            emitted = [[int(t.item())] for t, _ in picks]
+            emitted = [[] if b in failed else [int(t.item())] for b, (t, _) in enumerate(picks)]
         for b, run in enumerate(runs):
             if run.context is not None:
                 run.context.feed(hidden[b : b + 1])
@@ -284,3 +332,13 @@ class SpeculativeBatch:
 def _bare_greedy(run: _Run) -> bool:
     """Whether the row's plain pick is the bare argmax (no penalties, grammar or log-probabilities)."""
     return run.params.greedy and not run.processors and run.constraint is None and run.top_logprobs is None
+
+
+def _guarded(failed: dict, b: int, fn, *args):
+    """`fn(*args)` for row `b`, or None with the error kept in `failed`: one row's grammar,
+    processors or stop strings failing must not fail the rows beside it."""
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - handed to that row's client (400 or 500)
+        failed[b] = e
+        return None

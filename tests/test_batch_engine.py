@@ -339,3 +339,40 @@ def test_a_cancelled_row_keeps_its_conversation_cache(family):
     warm = generate(target, turn, 12, drafter=drafter, prompt_cache=cache)
     assert warm.cached_tokens >= len(PROMPTS[0]) + len(reply) - 4
     assert warm.tokens == generate(target, turn, 12, drafter=drafter).tokens
+
+
+class FailingConstraint:
+    """A grammar that accepts everything and then breaks at its `fail_at`-th commit, as a
+    grammar engine failing inside one request would."""
+
+    mask_drafts = False
+    done = False
+
+    def __init__(self, fail_at: int):
+        self.commits, self.fail_at = 0, fail_at
+
+    def apply(self, rows, drafts, allowed=None):
+        return rows
+
+    def commit(self, tokens):
+        self.commits += 1
+        if self.commits == self.fail_at:
+            raise ConfigError(f"grammar broke at commit {self.commits}")
+
+
+@pytest.mark.parametrize("arch", [None, "dflash2"])
+def test_one_rows_error_leaves_the_other_rows_decoding(arch):
+    target = tiny_target("qwen3_5")
+    drafter = tiny_drafter(target, arch, block_size=4) if arch else None
+    batch = SpeculativeBatch(target, drafter)
+    ok_a = batch.add(PROMPTS[0], 30)
+    bad = batch.add(PROMPTS[1], 30, constraint=FailingConstraint(4))
+    ok_b = batch.add(PROMPTS[2], 30)
+    out, failures = {}, []
+    while len(batch):
+        for rid, event in batch.step():
+            out.setdefault(rid, []).extend(event.tokens)
+        failures += batch.take_failures()
+    assert [(rid, str(e)) for rid, e in failures] == [(bad, "grammar broke at commit 4")]
+    for rid, prompt in ((ok_a, PROMPTS[0]), (ok_b, PROMPTS[2])):
+        assert out[rid] == generate(target, prompt, 30, drafter=drafter).tokens

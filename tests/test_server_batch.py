@@ -241,3 +241,35 @@ def test_a_long_prompt_arriving_while_a_batch_runs_is_prefilled_between_its_step
     # the 1,500-token prompt took ~24 chunks: the running rows kept getting tokens meanwhile
     assert order[:first_c].count("a") >= 15 and order[:first_c].count("b") >= 15, order[:first_c + 1]
     assert c.stats.finish_reason == "length"
+
+
+def test_a_failing_row_fails_alone_with_its_own_error():
+    from test_batch_engine import FailingConstraint
+
+    from dflash2_mlx.server.worker import JobFailed
+
+    session = _session("llama", "dflash2")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(session, capacity=8, max_batch=4)
+        worker.start()
+        first = Job(PROMPTS[0], SamplingParams(), 40, [], loop)
+        worker.submit(first)
+        stream = first.events()
+        head = [await stream.__anext__()]
+        bad = Job(PROMPTS[1], SamplingParams(), 40, [], loop, constraint=FailingConstraint(3))
+        good = Job(PROMPTS[2], SamplingParams(), 25, [], loop)
+        worker.submit(bad), worker.submit(good)
+        rest = asyncio.ensure_future(_drain(good))
+        with pytest.raises(JobFailed) as failed:
+            await _drain(bad)
+        events = head + [e async for e in stream]
+        good_events = await rest
+        worker.close()
+        return failed.value.failure, events, good_events
+
+    failure, events, good_events = asyncio.run(main())
+    assert (failure.status, failure.message) == (400, "grammar broke at commit 3")
+    assert [t for e in events for t in e.tokens] == session.generate(PROMPTS[0], max_tokens=40).tokens
+    assert [t for e in good_events for t in e.tokens] == session.generate(PROMPTS[2], max_tokens=25).tokens

@@ -109,6 +109,14 @@ class BatchRun:
             out.append((job, event, cache))
         return out
 
+    def take_failures(self) -> list[tuple[object, Exception, object]]:
+        """(job, error, its reset prompt cache) for each row that failed alone in the last step."""
+        failed = []
+        for rid, error in self.engine.take_failures():
+            self._cached.pop(rid, None)
+            failed.append((self.jobs.pop(rid), error, self.caches.pop(rid)))
+        return failed
+
     def rows_tau(self) -> list[float]:
         """Each running row's tokens per speculative cycle so far."""
         return [j.stats.tokens_per_cycle for j in self.jobs.values()]

@@ -515,6 +515,11 @@ class GenerationWorker:
             log.exception("batched generation failed")
             self._fail_batch(batch, Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
             return
+        for job, error, cache in batch.take_failures():  # that row alone: the others go on
+            if self.prompt_caches is not None and cache is not None:
+                self.prompt_caches.checkin(cache)  # reset, so it holds nothing of the failed turn
+            job.post(_row_failure(job, error))
+            self._end(job)
         if self.metrics is not None:
             self.metrics.tokens_posted(sum(len(event.tokens) for _, event, _ in produced))
         for job, event, cache in produced:
@@ -536,3 +541,11 @@ class GenerationWorker:
         for job in jobs:
             job.post(failure)
             self._end(job)
+
+
+def _row_failure(job: Job, error: Exception) -> Failed:
+    """A batched row's own error as its client sees it: a bad request (400) or a bug (500)."""
+    if isinstance(error, DFlashError):
+        return Failed(400, str(error))
+    log.error("batched row of request %s failed", job.id, exc_info=error)
+    return Failed(500, f"internal error: {type(error).__name__}: {error}", "server_error")
