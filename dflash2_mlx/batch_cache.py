@@ -25,6 +25,9 @@ from .caches import RecurrentCache, WindowKVCache
 from .errors import UnsupportedCacheError
 
 COMPACT_MIN_SLOTS = 64  # below this many slots holes cost less than packing them
+# Slots kept past a window when packing, so that a row leaving the batch can still drop its last
+# tokens exactly (a prompt cache's next turn trims back to where it diverges); as PromptCache's reserve.
+WINDOW_SPARE = 64
 
 
 class RaggedKVCache(_BaseCache):
@@ -37,8 +40,8 @@ class RaggedKVCache(_BaseCache):
 
     step = 256
 
-    def __init__(self, window: int | None = None):
-        self.window = window
+    def __init__(self, window: int | None = None, spare: int = WINDOW_SPARE):
+        self.window, self.spare = window, spare
         self.keys = self.values = None
         self.pos = mx.zeros((0, 0), mx.int32)
         self.lengths = mx.zeros((0,), mx.int32)
@@ -106,14 +109,15 @@ class RaggedKVCache(_BaseCache):
         self.n_slots = start + max(n_keep)  # slots no row kept are free again
 
     def compact(self) -> bool:
-        """Pack each row's live slots to the front (dropping slots outside a window); whether
-        it did (only when at least a quarter of the slots, and `COMPACT_MIN_SLOTS`, are dead)."""
+        """Pack each row's live slots to the front (dropping slots more than `spare` past a
+        window); whether it did (only when at least a quarter of the slots, and
+        `COMPACT_MIN_SLOTS`, are dead)."""
         if self.n_slots < COMPACT_MIN_SLOTS or self.keys is None:
             return False
         pos = self.pos[:, : self.n_slots]
         live = pos >= 0
         if self.window is not None:  # a later query at position p >= lengths sees p - window < k
-            live = live & (pos > self.lengths[:, None] - self.window)
+            live = live & (pos > self.lengths[:, None] - self.window - self.spare)
         n_live = int(live.sum(axis=1).max().item())
         if self.n_slots - n_live < max(self.n_slots // 4, 1):
             return False

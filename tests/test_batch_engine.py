@@ -376,3 +376,15 @@ def test_one_rows_error_leaves_the_other_rows_decoding(arch):
     assert [(rid, str(e)) for rid, e in failures] == [(bad, "grammar broke at commit 4")]
     for rid, prompt in ((ok_a, PROMPTS[0]), (ok_b, PROMPTS[2])):
         assert out[rid] == generate(target, prompt, 30, drafter=drafter).tokens
+
+
+def test_packing_a_window_batch_keeps_spare_slots_so_a_leaving_row_can_trim():
+    from dflash2_mlx.caches import can_trim
+
+    cache = batch_cache.RaggedKVCache(window=8)
+    cache.add_rows([_kv(150), _kv(120)])
+    assert cache.compact()  # most slots sit outside the window
+    row = cache.row_cache(0, reserve=batch_cache.WINDOW_SPARE)
+    assert row.offset == 150 and row.n_stored == 8 - 1 + batch_cache.WINDOW_SPARE
+    assert can_trim(row, batch_cache.WINDOW_SPARE)  # a next turn that diverges that far back trims exactly
+    assert cache.n_slots < 150  # and the packing still frees the rest
