@@ -85,3 +85,40 @@ def shard_model(model, lockstep: Lockstep) -> None:
         if hasattr(owner, "sharding_group"):
             owner.sharding_group = None
     mx.eval(model.parameters())
+
+
+# -- serving: rank 0 takes the requests, the others decode each one with it ----------------
+
+GENERATE, STOP = 1, 0
+
+
+def announce(lockstep: Lockstep, ids: list[int]) -> None:
+    """Rank 0, before decoding a request: its prompt ids to every rank (`follow_requests`)."""
+    mx.eval(lockstep.share(mx.array([GENERATE, len(ids)])))  # evaluated now: collectives run in order
+    mx.eval(lockstep.share(mx.array(ids)))
+
+
+def announce_stop(lockstep: Lockstep) -> None:
+    """Rank 0, at shutdown: the other ranks leave `follow_requests`."""
+    mx.eval(lockstep.share(mx.array([STOP, 0])))
+
+
+def follow_requests(session) -> int:
+    """A rank other than 0 of a sharded `serve`: decode every request rank 0 announces, in
+    lockstep (rank 0 decides each token, its width and limit, and when to stop), until it
+    announces the stop; returns how many requests it followed."""
+    import signal
+
+    # a stop comes from rank 0 (it shuts down gracefully, then announces it): ignore the launcher's
+    # signals here, or this rank would vanish while rank 0 still has a request to finish with it
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+    lockstep, n = session.lockstep, 0
+    while True:
+        op, n_ids = lockstep.share(mx.zeros((2,), mx.int32)).tolist()
+        if op == STOP:
+            return n
+        ids = lockstep.share(mx.zeros((n_ids,), mx.int32)).tolist()
+        for _ in session.stream(ids, max_tokens=1):  # rank 0's limit and width replace these
+            pass
+        n += 1

@@ -144,6 +144,7 @@ class _Run:
     decided: int | None = None  # the next cycle's width, picked while that token was queued
     constraint: object | None = None  # a GrammarConstraint masking the target's rows, or None
     lockstep: object | None = None  # a `distributed.Lockstep` when the target is sharded over processes
+    told_stop: bool = False  # sharded: rank 0's last word was "stop"
 
     @property
     def follows(self) -> bool:
@@ -208,7 +209,8 @@ def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None, mark=None) -
         bounds = sorted(bounds + [len(ids) - 1])
     logits = None
     for start, end in zip(bounds, bounds[1:] + [len(ids)]):
-        if on_prefill is not None and on_prefill(start, len(ids)) is False:
+        go = on_prefill is None or on_prefill(start, len(ids)) is not False
+        if not _rank0_says(run, go):
             return None
         if mark is not None and start == len(ids) - 1:
             mark(run.fed)
@@ -528,7 +530,7 @@ def _tracked(events, run: _Run, prompt_cache):
 
 def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, width: int, stop,
               prefill_step_size: int, block_policy, on_prefill, pipelined: bool):
-    target, constraint = run.target, run.constraint
+    target = run.target
     stopper = Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
     # the generation stream, entered around each step so that it does not leak into the caller.
@@ -557,21 +559,41 @@ def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, w
         kept, finish = stopper.feed([first])
         run.history.append(first)
         finish = _commit(run, [first], finish)
-        yield event(kept, None, finish, first_lp)
-        # penalties and grammars need each token on the host before the next step
-        pipeline = pipelined and not run.processors and constraint is None
-        n_cycles = 0
-        while finish is None:
-            with mx.stream(generation_stream()):
-                emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy,
-                                                       pipeline)
-            kept, finish = stopper.feed(emitted)
-            run.history.extend(emitted)
-            finish = _commit(run, emitted, finish)
-            n_cycles += 1
-            if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
-                mx.clear_cache()
-            yield event(kept, cycle, finish, logprobs)
+        try:
+            yield event(kept, None, finish, first_lp)
+            yield from _decode(run, stopper, finish, event, max_tokens, width, block_policy, pipelined)
+        finally:
+            if run.lockstep is not None and run.lockstep.leader and not run.told_stop:
+                _rank0_says(run, False)  # closed at an event: the other ranks stop with it
+
+
+def _rank0_says(run: _Run, go: bool) -> bool:
+    """Whether to run another step (prefill chunk or cycle). Sharded, rank 0's answer holds for
+    every rank, so a stop string, a finished grammar or a cancel on rank 0 stops them all."""
+    if run.lockstep is None:
+        return go
+    go = bool(run.lockstep.share(mx.array([int(go)])).item())
+    run.told_stop = not go
+    return go
+
+
+def _decode(run: _Run, stopper, finish, event, max_tokens: int, width: int, block_policy, pipelined: bool):
+    """The cycles after the first token, each yielding its event."""
+    # penalties and grammars need each token on the host before the next step; sharded ranks
+    # must issue the same passes in the same order, which a queued step could break
+    pipeline = pipelined and not run.processors and run.constraint is None and run.lockstep is None
+    n_cycles = 0
+    while _rank0_says(run, finish is None):
+        with mx.stream(generation_stream()):
+            emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy,
+                                                   pipeline)
+        kept, finish = stopper.feed(emitted)
+        run.history.extend(emitted)
+        finish = _commit(run, emitted, finish)
+        n_cycles += 1
+        if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
+            mx.clear_cache()
+        yield event(kept, cycle, finish, logprobs)
 
 
 def _commit(run: _Run, emitted: list[int], finish: str | None) -> str | None:

@@ -73,3 +73,61 @@ def test_doctor_shows_each_rank_of_the_group(tmp_path):
         text = text[text.index("{") + end:]
     ranks = sorted((d["environment"]["distributed"]["rank"], d["environment"]["distributed"]["holds"]) for d in docs)
     assert [r for r, _ in ranks] == [0, 1] and "drafter" in ranks[0][1] and "drafter" not in ranks[1][1]
+
+
+def test_dflash2_serve_under_mlx_launch_answers_with_both_ranks_and_stops_on_sigterm(tmp_path):
+    import os
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    from tiny import save_tiny_pair
+
+    target, drafter = save_tiny_pair(tmp_path, "qwen3", block_size=4)
+    cli = Path(sys.executable).parent / "dflash2"
+    port = _free_port()
+    cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--python", sys.executable,
+           "--", str(cli), "serve", str(target), "--drafter", str(drafter), "--port", str(port), "--block-size", "4",
+           "--json"]
+    log = open(tmp_path / "serve.log", "w+")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while '"listening"' not in (tmp_path / "serve.log").read_text():
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.5)
+        texts = []
+        for _ in range(2):  # two requests: the other rank follows each one
+            body = json.dumps({"prompt": "abc", "max_tokens": 12, "temperature": 0}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=60) as reply:
+                    texts.append(json.loads(reply.read())["choices"][0]["text"])
+            except urllib.error.HTTPError as e:
+                raise AssertionError(e.read().decode()) from None
+        os.kill(_rank_pid(0, str(port)), signal.SIGTERM)  # rank 0 stops gracefully, then tells rank 1
+        assert proc.wait(60) == 0, (tmp_path / "serve.log").read_text()[-3000:]  # the launcher: every rank exited 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    run = launch(cli, "run", target, "--drafter", drafter, "--no-chat-template", "abc", "--max-tokens", "12",
+                 "--block-size", "4", "--json")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert texts == [json.loads(run.stdout[run.stdout.index("{"):])["text"]] * 2
+    assert "Traceback" not in (tmp_path / "serve.log").read_text()
+
+
+def _rank_pid(rank: int, marker: str) -> int:
+    """The pid of the python process of `rank` whose command line holds `marker`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().split(b"\0")
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"MLX_RANK={rank}".encode() in env and marker.encode() in cmdline and b"serve" in cmdline:
+            if any(part.endswith(b"python") or b"python3" in part for part in cmdline[:1]):
+                return int(proc.name)
+    raise AssertionError(f"no rank {rank} process with {marker!r}")

@@ -155,6 +155,11 @@ def serve(
     check_kv_batching(kv_bits, max_batch)  # before the model loads
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out, kv_bits=kv_bits, kv_group_size=kv_group_size)
+    if session.lockstep is not None:
+        config = _sharded(session, config)
+        if config is None:  # a rank other than 0: it decoded what rank 0 served, until it stopped
+            sys.stdout.flush()
+            os._exit(0)
     warn_slow_blas()
     ready = session.prepare()  # calibrate before listening: never inside the first request
     if ready:
@@ -187,3 +192,20 @@ def serve(
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _sharded(session, config):
+    """Under `mlx.launch`: rank 0 serves HTTP one request at a time without a prefix cache
+    (every rank decodes each request in lockstep); the others follow until rank 0 stops.
+    Returns rank 0's config, or None on the other ranks once they are done."""
+    import dataclasses
+
+    from ..distributed import follow_requests
+
+    if not session.lockstep.leader:
+        follow_requests(session)
+        return None
+    if config.max_batch > 1 or config.prompt_cache_bytes > 0:
+        session.notes.append(f"sharded over {session.lockstep.size} ranks: one request at a time (--max-batch 1), "
+                             "no prefix cache (--prompt-cache-bytes 0)")
+    return dataclasses.replace(config, max_batch=1, prompt_cache_bytes=0)

@@ -108,6 +108,14 @@ def check_kv_batching(kv_bits: int | None, max_batch: int) -> None:
                           f"got --max-batch {max_batch}")
 
 
+def check_sharded(lockstep, config: ServerConfig) -> None:
+    """A target sharded over processes serves one request at a time, every rank decoding it,
+    without a prefix cache (the ranks' caches would have to agree on every entry)."""
+    if lockstep is not None and (config.max_batch > 1 or config.prompt_cache_bytes > 0):
+        raise ConfigError(f"a target sharded over {lockstep.size} ranks serves with --max-batch 1 and "
+                          f"--prompt-cache-bytes 0, got {config.max_batch} and {config.prompt_cache_bytes}")
+
+
 def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastAPI:
     """A FastAPI app serving `session` (an open `Session`).
 
@@ -118,6 +126,7 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
     """
     config = config or ServerConfig()
     check_kv_batching(getattr(session, "kv_bits", None), config.max_batch)
+    check_sharded(getattr(session, "lockstep", None), config)
     state = make_state(session, config, aliases)
 
     @asynccontextmanager

@@ -374,6 +374,10 @@ class GenerationWorker:
                 self.metrics.queue_depth(self.depth)
                 self.metrics.batch_size(len(batch or ()))
             if self._stopped and solo is None and not batch:
+                if self.session.lockstep is not None:  # the other ranks of a sharded target leave too
+                    from ..distributed import announce_stop
+
+                    announce_stop(self.session.lockstep)
                 return
 
     def _hand_off(self, solo, batch) -> bool:
@@ -454,6 +458,10 @@ class GenerationWorker:
         self._solo_job, self._solo_cache, self._solo_yielded = job, cache, False
         handed = False
         try:
+            if self.session.lockstep is not None:  # the other ranks of a sharded target decode it too
+                from ..distributed import announce
+
+                announce(self.session.lockstep, job.prompt_ids)
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
                                          top_logprobs=job.top_logprobs, constraint=job.constraint,
