@@ -48,6 +48,7 @@ from .engine import (
     verdict,
 )
 from .errors import ConfigError
+from .interfaces import BatchPolicy, DraftModel, TargetModel
 from .sampling import SamplingParams
 from .stopper import Stopper
 
@@ -82,7 +83,8 @@ class SpeculativeBatch:
             each row's own `_choose`, the slow twin the tests compare).
     """
 
-    def __init__(self, target, drafter=None, *, block_size: int | None = None, policy=None,
+    def __init__(self, target: TargetModel, drafter: DraftModel | None = None, *, block_size: int | None = None,
+                 policy: BatchPolicy | None = None,
                  prefill_step_size: int = DEFAULT_PREFILL_STEP, fast_greedy: bool = True):
         if drafter is not None and drafter.target is not target:
             raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")

@@ -27,6 +27,7 @@ from typing import Callable
 from . import stats
 from .engine import CycleStats, stream_generate
 from .errors import ConfigError
+from .interfaces import DraftModel, WidthPolicy
 from .prompts import Prompt, SuitePrompts
 from .sampling import SamplingParams
 
@@ -89,10 +90,10 @@ class Mode:
 
     name: str
     kind: str
-    drafter: object | None = None
+    drafter: DraftModel | None = None
     block_size: int | str | None = None
     drafter_path: str | None = None
-    block_policy: object | None = field(default=None, repr=False)
+    block_policy: WidthPolicy | None = field(default=None, repr=False)
 
     def width(self) -> int | None:
         if self.drafter is None:

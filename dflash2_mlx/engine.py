@@ -28,7 +28,9 @@ import mlx.core as mx
 
 from . import stats
 from .chat import encode_prompt
+from .distributed import Lockstep
 from .errors import ConfigError
+from .interfaces import DraftModel, TargetModel, WidthPolicy
 from .sampling import SamplingParams, make_processors, process_rows, target_probs
 from .stopper import Stopper
 from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
@@ -128,8 +130,8 @@ class GenerationResult:
 
 @dataclass
 class _Run:
-    target: object
-    drafter: object | None
+    target: TargetModel
+    drafter: DraftModel | None
     params: SamplingParams
     key: mx.array
     target_cache: list
@@ -143,7 +145,7 @@ class _Run:
     queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
     decided: int | None = None  # the next cycle's width, picked while that token was queued
     constraint: object | None = None  # a GrammarConstraint masking the target's rows, or None
-    lockstep: object | None = None  # a `distributed.Lockstep` when the target is sharded over processes
+    lockstep: Lockstep | None = None  # set when the target is sharded over processes
     told_stop: bool = False  # sharded: rank 0's last word was "stop"
 
     @property
@@ -438,12 +440,14 @@ def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, para
     return run, n_cached, mark
 
 
-def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, drafter=None,
+def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
+                    drafter: DraftModel | None = None,
                     sampling: SamplingParams | None = None, prompt_cache=None, block_size: int | None = None,
                     stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
-                    prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy=None, kv_bits: int | None = None,
-                    kv_group_size: int | None = None, on_prefill=None, pipelined: bool = True,
-                    top_logprobs: int | None = None, overlap: bool | None = None, constraint=None, lockstep=None):
+                    prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy: WidthPolicy | None = None,
+                    kv_bits: int | None = None, kv_group_size: int | None = None, on_prefill=None,
+                    pipelined: bool = True, top_logprobs: int | None = None, overlap: bool | None = None,
+                    constraint=None, lockstep: Lockstep | None = None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -504,7 +508,8 @@ def stream_generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *, dra
     return _tracked(events, run, prompt_cache)
 
 
-def _agree(lockstep, ids: list[int], width: int, max_tokens: int, block_policy, prompt_cache) -> tuple[int, int]:
+def _agree(lockstep: Lockstep, ids: list[int], width: int, max_tokens: int, block_policy: WidthPolicy | None,
+           prompt_cache) -> tuple[int, int]:
     """Rank 0's width and token limit for every rank; a different prompt length is refused."""
     if block_policy is not None or prompt_cache is not None:
         raise ConfigError("a sharded target decodes at a fixed --block-size and without a prompt cache")
@@ -529,7 +534,7 @@ def _tracked(events, run: _Run, prompt_cache):
 
 
 def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, width: int, stop,
-              prefill_step_size: int, block_policy, on_prefill, pipelined: bool):
+              prefill_step_size: int, block_policy: WidthPolicy | None, on_prefill, pipelined: bool):
     target = run.target
     stopper = Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
@@ -577,7 +582,8 @@ def _rank0_says(run: _Run, go: bool) -> bool:
     return go
 
 
-def _decode(run: _Run, stopper, finish, event, max_tokens: int, width: int, block_policy, pipelined: bool):
+def _decode(run: _Run, stopper: Stopper, finish, event, max_tokens: int, width: int,
+            block_policy: WidthPolicy | None, pipelined: bool):
     """The cycles after the first token, each yielding its event."""
     # penalties and grammars need each token on the host before the next step; sharded ranks
     # must issue the same passes in the same order, which a queued step could break
@@ -612,7 +618,7 @@ def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:
     return min(block_policy.next_width(cap), cap) if block_policy is not None else cap
 
 
-def _next_cycle(run: _Run, width: int, left: int, block_policy, pipeline: bool):
+def _next_cycle(run: _Run, width: int, left: int, block_policy: WidthPolicy | None, pipeline: bool):
     """Run the next cycle: a speculative step of the chosen width, or a plain step that, when
     pipelining, already picks (and for a plain one, queues) the cycle after it."""
     w = run.decided if run.decided is not None else _pick_width(run, width, left, block_policy)

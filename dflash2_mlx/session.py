@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .chat import encode_prompt
+from .distributed import Lockstep
 from .engine import GenerationResult, collect, stream_generate
 from .errors import ConfigError
+from .interfaces import DraftModel, TargetModel
 from .sampling import SamplingParams
 
 
@@ -34,14 +36,14 @@ def parse_block_size(value) -> int | str | None:
 
 @dataclass
 class Session:
-    spec: object
-    target: object
-    drafter: object | None
+    spec: object  # hub.ModelSpec, or a stand-in with its fields
+    target: TargetModel
+    drafter: DraftModel | None
     block_size: int | str | None
     notes: list[str] = field(default_factory=list)
     kv_bits: int | None = None  # the target's full-attention K/V quantized (every cache this session makes)
     kv_group_size: int | None = None
-    lockstep: object | None = None  # a `distributed.Lockstep` when launched sharded over processes
+    lockstep: Lockstep | None = None  # set when launched sharded over processes
     _policy: object | None = None  # one adaptive policy per session: it keeps learning across requests
 
     @classmethod
