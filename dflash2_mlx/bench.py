@@ -109,7 +109,7 @@ class Mode:
         if self.drafter is None or self.block_size != "auto":
             return None
         if self.block_policy is None:
-            from .block_policy import auto_policy
+            from .calibration import auto_policy
 
             self.block_policy = auto_policy(target, self.drafter, cache_dir=cache_dir)
         return self.block_policy

@@ -20,7 +20,6 @@ reports, so context growth and machine load move the choice too.
 from __future__ import annotations
 
 import json
-import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,7 +36,6 @@ MAX_PROBE_EVERY = 1024  # failed probes double the gap up to this
 DEFAULT_COST_EMA = 0.1
 CALIBRATION_SCHEMA = 1
 
-log = logging.getLogger(__name__)
 
 
 # -- costs and the expected rate --------------------------------------------------------
@@ -469,32 +467,3 @@ def _drafter_label(info: dict) -> str | None:
         return None
     return f"{info.get('arch')} drafter ({info.get('n_layers')} layers, hidden {info.get('hidden_size')}, " \
            f"block {info.get('block_size')})"
-
-
-def get_calibration(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
-                    refresh: bool = False, progress=None) -> Calibration:
-    """The cached calibration for this machine + pair, measuring it first if needed."""
-    from . import calibration as measure
-
-    width = max(2, max_width or drafter.config.block_size)
-    machine, model = measure.machine_fingerprint(), measure.model_fingerprint(target, drafter)
-    key = measure.calibration_key(machine, model)
-    cal = None if refresh else load_calibration(key, cache_dir)
-    if cal is None or cal.costs.max_width < width:
-        log.warning("measuring target and drafter costs for widths 1..%d on this machine "
-                    "(once; cached in %s)", width, Path(cache_dir or default_cache_dir()))
-        cal = measure.calibrate(target, drafter, width, key=key, machine=machine, model=model,
-                                progress=progress)
-        save_calibration(cal, cache_dir)
-    return cal
-
-
-def auto_policy(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
-                progress=None, **policy_kwargs) -> AdaptiveBlockPolicy:
-    """A fresh `AdaptiveBlockPolicy` for this pair (what `--block-size auto` uses).
-
-    Loads the pair's calibration for this machine from the cache, or measures it once
-    (a few seconds) and caches it under `default_cache_dir()`.
-    """
-    cal = get_calibration(target, drafter, max_width, cache_dir, progress=progress)
-    return AdaptiveBlockPolicy(cal.costs, **policy_kwargs)

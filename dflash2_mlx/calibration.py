@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import statistics
@@ -26,7 +27,17 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 
-from .block_policy import Calibration, Costs, nondecreasing
+from .block_policy import (
+    AdaptiveBlockPolicy,
+    Calibration,
+    Costs,
+    default_cache_dir,
+    load_calibration,
+    nondecreasing,
+    save_calibration,
+)
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 256
 DEFAULT_REPEATS = 3
@@ -158,3 +169,33 @@ def calibrate(target, drafter, max_width: int, key: str, machine: dict, model: d
               n_context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS, progress=None) -> Calibration:
     costs = measure_costs(target, drafter, max_width, n_context, repeats, progress)
     return Calibration(key=key, costs=costs, machine=machine, model=model, n_context=n_context, repeats=repeats)
+
+
+# -- the cached calibration and the policy made from it ------------------------------------
+
+
+def get_calibration(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
+                    refresh: bool = False, progress=None) -> Calibration:
+    """The cached calibration for this machine + pair, measuring it first if needed."""
+    width = max(2, max_width or drafter.config.block_size)
+    machine, model = machine_fingerprint(), model_fingerprint(target, drafter)
+    key = calibration_key(machine, model)
+    cal = None if refresh else load_calibration(key, cache_dir)
+    if cal is None or cal.costs.max_width < width:
+        log.warning("measuring target and drafter costs for widths 1..%d on this machine "
+                    "(once; cached in %s)", width, Path(cache_dir or default_cache_dir()))
+        cal = calibrate(target, drafter, width, key=key, machine=machine, model=model,
+                                progress=progress)
+        save_calibration(cal, cache_dir)
+    return cal
+
+
+def auto_policy(target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
+                progress=None, **policy_kwargs) -> AdaptiveBlockPolicy:
+    """A fresh `AdaptiveBlockPolicy` for this pair (what `--block-size auto` uses).
+
+    Loads the pair's calibration for this machine from the cache, or measures it once
+    (a few seconds) and caches it under `default_cache_dir()`.
+    """
+    cal = get_calibration(target, drafter, max_width, cache_dir, progress=progress)
+    return AdaptiveBlockPolicy(cal.costs, **policy_kwargs)

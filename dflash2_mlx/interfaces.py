@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     from .drafter.config import DrafterConfig
     from .drafter.context import DraftContext
     from .drafter.selector import Proposal
-    from .engine import CycleStats
 
 
 @runtime_checkable
@@ -59,7 +58,7 @@ class WidthPolicy(Protocol):
 
     def next_width(self, max_width: int) -> int: ...
 
-    def observe(self, cycle: CycleStats) -> None: ...
+    def observe(self, cycle) -> None: ...  # an engine.CycleStats
 
 
 @runtime_checkable
@@ -68,4 +67,4 @@ class BatchPolicy(Protocol):
 
     def next_width(self, max_width: int, batch: int) -> int: ...
 
-    def observe(self, batch: int, cycle: CycleStats, rows: list[tuple[int, int]]) -> None: ...
+    def observe(self, batch: int, cycle, rows: list[tuple[int, int]]) -> None: ...  # cycle: a CycleStats

@@ -112,7 +112,7 @@ class Session:
         Returns a line saying what the policy starts from, or None when there is nothing to do."""
         if self.drafter is None or self.block_size != "auto" or self._policy is not None:
             return None
-        from .block_policy import auto_policy
+        from .calibration import auto_policy
 
         t0 = time.perf_counter()
         self._policy = auto_policy(self.target, self.drafter, progress=progress)
@@ -133,7 +133,7 @@ class Session:
             # way: a seeded sampled request decodes at the trained width so that it repeats
             return self.drafter.config.block_size, None
         if self.block_size == "auto":
-            from .block_policy import auto_policy
+            from .calibration import auto_policy
 
             self._policy = self._policy or auto_policy(self.target, self.drafter)
             return self.drafter.config.block_size, self._policy

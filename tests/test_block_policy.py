@@ -205,7 +205,7 @@ def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", block_size=6)
-    policy = bp.auto_policy(target, drafter, cache_dir=tmp_path)
+    policy = calibration.auto_policy(target, drafter, cache_dir=tmp_path)
     assert policy.costs.max_width == 6 and len(list(tmp_path.glob("*.json"))) == 1
     assert all(s > 0 for s in policy.costs.target_s) and policy.costs.draft_s[0] == 0.0
 
@@ -213,7 +213,7 @@ def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
         raise AssertionError("calibration should come from the cache")
 
     monkeypatch.setattr(calibration, "calibrate", no_measuring)
-    again = bp.auto_policy(target, drafter, cache_dir=tmp_path)
+    again = calibration.auto_policy(target, drafter, cache_dir=tmp_path)
     assert again.costs == policy.costs
     prompt = [1, 40, 41, 42, 7, 19]
     plain = generate(target, prompt, max_tokens=40).tokens
@@ -237,7 +237,7 @@ def test_fixed_policy_is_the_engine_without_a_policy():
 
 
 def test_session_prepare_calibrates_before_the_first_generation(isolated, monkeypatch):
-    from dflash2_mlx import block_policy
+    from dflash2_mlx import calibration
     from dflash2_mlx.session import Session
 
     from tiny import tiny_drafter, tiny_target
@@ -254,7 +254,7 @@ def test_session_prepare_calibrates_before_the_first_generation(isolated, monkey
     def no_new_policy(*args, **kwargs):
         raise AssertionError("generation must reuse the prepared policy")
 
-    monkeypatch.setattr(block_policy, "auto_policy", no_new_policy)
+    monkeypatch.setattr(calibration, "auto_policy", no_new_policy)
     session.generate([1, 40, 41, 42], max_tokens=8)
     assert session._policy is policy and policy.trace.widths
 

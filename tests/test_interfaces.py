@@ -1,11 +1,12 @@
 """The declared interfaces hold for the real parts and for the test doubles that stand in for them."""
 
 from test_batch_engine import ScriptedRows
-from test_engine import ScriptedDrafter
-from tiny import tiny_drafter, tiny_target
 
 from dflash2_mlx.block_policy import AdaptiveBlockPolicy, BatchWidthPolicy, Costs, FixedBlockPolicy
 from dflash2_mlx.interfaces import BatchPolicy, DraftModel, TargetModel, WidthPolicy
+
+from test_engine import ScriptedDrafter
+from tiny import tiny_drafter, tiny_target
 
 
 def test_targets_drafters_and_policies_implement_their_interfaces():

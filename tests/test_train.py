@@ -9,7 +9,7 @@ from mlx.utils import tree_flatten
 
 from dflash2_mlx import load_drafter
 from dflash2_mlx.train import onpolicy
-from dflash2_mlx.train.data import iter_json_array
+from dflash2_mlx.train.corpus import iter_json_array
 from dflash2_mlx.train.dataset import FeatureDataset
 from dflash2_mlx.train.export import export_drafter
 from dflash2_mlx.train.init import default_target_layer_ids, new_config, new_drafter, upgrade_to_v2

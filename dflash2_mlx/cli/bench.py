@@ -257,7 +257,8 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
 def _calibrate(target, drafters, console, size) -> None:
     from rich.table import Table
 
-    from ..block_policy import break_even_acceptance, get_calibration
+    from ..block_policy import break_even_acceptance
+    from ..calibration import get_calibration
 
     if not drafters:
         from ..errors import ConfigError

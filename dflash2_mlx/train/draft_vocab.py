@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from ..drafter.vocab import FILE_NAME, count_tokens, write_vocab_file
-from .data import SHAREGPT_FILE, iter_json_array, package_dir
+from .corpus import SHAREGPT_FILE, iter_json_array, package_dir
 
 
 def sharegpt_responses(n: int, seed: int = 0, min_chars: int = 12) -> list[str]:

@@ -111,7 +111,8 @@ def main() -> None:
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from dflash2_mlx.block_policy import BatchWidthPolicy, get_calibration
+    from dflash2_mlx.block_policy import BatchWidthPolicy
+    from dflash2_mlx.calibration import get_calibration
     from dflash2_mlx.session import Session
 
     session = Session.open(None, progress=False)

@@ -18,7 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from dflash2_mlx.cli.train import _target
-from dflash2_mlx.train.data import SHAREGPT_FILE, chat_prompt_ids, iter_json_array, package_dir
+from dflash2_mlx.train.corpus import SHAREGPT_FILE, iter_json_array, package_dir
+from dflash2_mlx.train.data import chat_prompt_ids
 from dflash2_mlx.train.shards import FeatureShard
 
 
