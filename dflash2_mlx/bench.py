@@ -24,12 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from . import stats
-from .engine import CycleStats, stream_generate
+from .core import stats
+from .core.engine import CycleStats, stream_generate
+from .core.interfaces import DraftModel, WidthPolicy
+from .core.sampling import SamplingParams
 from .errors import ConfigError
-from .interfaces import DraftModel, WidthPolicy
 from .prompts import Prompt, SuitePrompts
-from .sampling import SamplingParams
 
 DEFAULT_N = 8
 DEFAULT_MAX_TOKENS = 256
@@ -109,7 +109,7 @@ class Mode:
         if self.drafter is None or self.block_size != "auto":
             return None
         if self.block_policy is None:
-            from .calibration import auto_policy
+            from .core.calibration import auto_policy
 
             self.block_policy = auto_policy(target, self.drafter, cache_dir=cache_dir)
         return self.block_policy
@@ -370,7 +370,7 @@ def _ratio(value, base) -> float | None:
 def isolated_costs(target, mode: Mode, n_context: int, repeats: int = 3) -> dict | None:
     """A fixed-width mode's drafter pass alone and verify pass alone (median ms, at `n_context`
     tokens of context), against which its measured cycle time shows the engine's overhead."""
-    from .calibration import measure_costs
+    from .core.calibration import measure_costs
 
     width = mode.width()
     if mode.drafter is None or mode.block_size == "auto" or width is None:
@@ -383,7 +383,7 @@ def isolated_costs(target, mode: Mode, n_context: int, repeats: int = 3) -> dict
 def kv_bytes_per_token(target, ids: list[int], kv: dict, n: int = KV_PROBE_TOKENS) -> float:
     """The target caches' bytes per token after a prefill of the first `n` tokens of `ids`
     (with `kv`'s quantization): what a long prompt costs in memory, per token."""
-    from .prompt_cache import PromptCache
+    from .core.prompt_cache import PromptCache
 
     cache = PromptCache(target, None, reserve=1, **kv)
     ids = ids[:n]
@@ -465,7 +465,7 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
 
 
 def machine_info() -> dict:
-    from .calibration import machine_fingerprint
+    from .core.calibration import machine_fingerprint
 
     return {**machine_fingerprint(), "platform": platform.platform()}
 

@@ -196,8 +196,8 @@ class DiagnoseReport:
     def stats(self, suite: str | None = None) -> dict:
         chosen = [p for p in self.prompts if suite is None or p.suite == suite]
         out = position_stats([r for p in chosen for r in p.records], self.settings["top_k"])
-        from . import stats
-        from .engine import CycleStats
+        from .core import stats
+        from .core.engine import CycleStats
 
         cycles = [CycleStats(*c) for p in chosen for c in p.actual_cycles]
         if out.get("n_anchors"):
@@ -224,7 +224,7 @@ class DiagnoseReport:
 def diagnose_prompt(target, drafter, prompt: Prompt, ids: list[int], max_tokens: int, block_size: int,
                     stride: int = 1, top_k: int | None = None, actual: bool = True) -> PromptDiagnosis:
     """Ground truth by plain greedy decoding, the teacher-forced anchors, and the real run."""
-    from .engine import generate
+    from .core.engine import generate
 
     truth = generate(target, ids, max_tokens=max_tokens).tokens
     records = collect_anchors(target, drafter, ids + truth, len(ids), block_size, stride, top_k)

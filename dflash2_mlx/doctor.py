@@ -63,7 +63,7 @@ def kernels() -> dict:
 
 def calibrations() -> list[dict]:
     try:
-        from .block_policy import calibration_info
+        from .core.block_policy import calibration_info
     except ImportError:
         return []
     return calibration_info()
@@ -98,7 +98,7 @@ def environment() -> dict:
 def distributed() -> dict | None:
     """This process's group when launched by `mlx.launch` (size > 1), else None: under a launch
     a sharded run holds 1/size of each decoder layer per rank and the drafter on rank 0."""
-    from .distributed import launched
+    from .core.distributed import launched
 
     lockstep = launched()
     if lockstep is None:

@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .chat import encode_prompt
-from .distributed import Lockstep
-from .engine import GenerationResult, collect, stream_generate
+from .core.chat import encode_prompt
+from .core.distributed import Lockstep
+from .core.engine import GenerationResult, collect, stream_generate
+from .core.interfaces import DraftModel, TargetModel
+from .core.sampling import SamplingParams
 from .errors import ConfigError
-from .interfaces import DraftModel, TargetModel
-from .sampling import SamplingParams
 
 
 def parse_block_size(value) -> int | str | None:
@@ -52,7 +52,7 @@ class Session:
              draft_vocab: int | None = None, kv_bits: int | None = None,
              kv_group_size: int | None = None, distributed: bool = True) -> "Session":
         from . import hub
-        from .distributed import launched
+        from .core.distributed import launched
         from .drafter.load import load_drafter
         from .target import load_target
 
@@ -112,7 +112,7 @@ class Session:
         Returns a line saying what the policy starts from, or None when there is nothing to do."""
         if self.drafter is None or self.block_size != "auto" or self._policy is not None:
             return None
-        from .calibration import auto_policy
+        from .core.calibration import auto_policy
 
         t0 = time.perf_counter()
         self._policy = auto_policy(self.target, self.drafter, progress=progress)
@@ -133,7 +133,7 @@ class Session:
             # way: a seeded sampled request decodes at the trained width so that it repeats
             return self.drafter.config.block_size, None
         if self.block_size == "auto":
-            from .calibration import auto_policy
+            from .core.calibration import auto_policy
 
             self._policy = self._policy or auto_policy(self.target, self.drafter)
             return self.drafter.config.block_size, self._policy
@@ -141,7 +141,7 @@ class Session:
 
     def prompt_cache(self):
         """An empty `PromptCache` for this pair, wide enough for its verify blocks."""
-        from .prompt_cache import DEFAULT_RESERVE, PromptCache
+        from .core.prompt_cache import DEFAULT_RESERVE, PromptCache
 
         width = 1 if self.drafter is None else self.drafter.config.block_size
         if isinstance(self.block_size, int):

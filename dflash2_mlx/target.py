@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .caches import RecurrentCache, adapt_cache
+from .core.caches import RecurrentCache, adapt_cache
+from .core.recurrent import _Wrapper, install_replay, replay_layers
 from .errors import ConfigError, DFlashError
-from .recurrent import _Wrapper, install_replay, replay_layers
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +424,7 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         _cast(model, getattr(mx, dtype))
     if lockstep is not None:
-        from .distributed import shard_model
+        from .core.distributed import shard_model
 
         shard_model(model, lockstep)
     return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay,

@@ -8,7 +8,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dflash2_mlx import SamplingParams, generate  # noqa: E402
-from dflash2_mlx.distributed import launched, shard_model  # noqa: E402
+from dflash2_mlx.core.distributed import launched, shard_model  # noqa: E402
 from dflash2_mlx.target import Target  # noqa: E402
 
 from test_engine import ScriptedDrafter  # noqa: E402

@@ -13,14 +13,15 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from dflash2_mlx import batch_cache, batch_engine, generate
-from dflash2_mlx.batch_engine import SpeculativeBatch
-from dflash2_mlx.block_policy import BatchWidthPolicy, Costs, batch_costs
+from dflash2_mlx import generate
+from dflash2_mlx.core import batch_cache, batch_engine
+from dflash2_mlx.core.batch_engine import SpeculativeBatch
+from dflash2_mlx.core.block_policy import BatchWidthPolicy, Costs, batch_costs
+from dflash2_mlx.core.prompt_cache import PromptCache
+from dflash2_mlx.core.sampling import SamplingParams
 from dflash2_mlx.drafter.context import DraftContext
 from dflash2_mlx.drafter.selector import Proposal
 from dflash2_mlx.errors import ConfigError
-from dflash2_mlx.prompt_cache import PromptCache
-from dflash2_mlx.sampling import SamplingParams
 
 from test_verify import ALPHA, E2E_PARAMS, E2E_PROMPT, _e2e_pvalue, _exact_joint
 from tiny import VOCAB, drafter_config_dict, tiny_drafter, tiny_target
@@ -257,7 +258,7 @@ def test_batch_costs_and_the_width_policy_by_load():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grammar_rows_equal_their_constrained_single_stream_output(family):
     pytest.importorskip("llguidance")
-    from dflash2_mlx.constraint import GrammarConstraint, json_schema_grammar
+    from dflash2_mlx.core.constraint import GrammarConstraint, json_schema_grammar
 
     target = tiny_target(family, byte_level=True)
     drafter = tiny_drafter(target, "dflash2", block_size=4)
@@ -379,7 +380,7 @@ def test_one_rows_error_leaves_the_other_rows_decoding(arch):
 
 
 def test_packing_a_window_batch_keeps_spare_slots_so_a_leaving_row_can_trim():
-    from dflash2_mlx.caches import can_trim
+    from dflash2_mlx.core.caches import can_trim
 
     cache = batch_cache.RaggedKVCache(window=8)
     cache.add_rows([_kv(150), _kv(120)])

@@ -16,10 +16,10 @@ from dflash2_mlx.bench import (
     run_bench,
     summarize,
 )
-from dflash2_mlx.engine import CycleStats
+from dflash2_mlx.core.engine import CycleStats
+from dflash2_mlx.core.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompts import Prompt, SuitePrompts
-from dflash2_mlx.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 
 
 def cycle(width, n_drafted, n_accepted):
@@ -193,7 +193,7 @@ def test_run_bench_rejects_bad_settings():
 
 
 def test_sampled_runs_share_a_seed_per_prompt_across_modes():
-    from dflash2_mlx.sampling import SamplingParams
+    from dflash2_mlx.core.sampling import SamplingParams
 
     from tiny import tiny_drafter, tiny_target
 

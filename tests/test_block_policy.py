@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from dflash2_mlx import block_policy as bp
-from dflash2_mlx.block_policy import (
+from dflash2_mlx.core import block_policy as bp
+from dflash2_mlx.core.block_policy import (
     AcceptanceEstimate,
     AdaptiveBlockPolicy,
     Calibration,
@@ -18,7 +18,7 @@ from dflash2_mlx.block_policy import (
     expected_rates,
     expected_tokens,
 )
-from dflash2_mlx.engine import CycleStats
+from dflash2_mlx.core.engine import CycleStats
 
 
 def linear_costs(max_width, per_token, draft_s, plain_s=1.0):
@@ -199,7 +199,8 @@ def test_costs_reject_bad_values():
 
 
 def test_auto_policy_measures_once_then_uses_the_cache(tmp_path, monkeypatch):
-    from dflash2_mlx import calibration, generate
+    from dflash2_mlx import generate
+    from dflash2_mlx.core import calibration
 
     from tiny import tiny_drafter, tiny_target
 
@@ -237,7 +238,7 @@ def test_fixed_policy_is_the_engine_without_a_policy():
 
 
 def test_session_prepare_calibrates_before_the_first_generation(isolated, monkeypatch):
-    from dflash2_mlx import calibration
+    from dflash2_mlx.core import calibration
     from dflash2_mlx.session import Session
 
     from tiny import tiny_drafter, tiny_target

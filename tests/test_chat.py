@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dflash2_mlx import generate, stream_generate
-from dflash2_mlx.chat import encode_prompt
+from dflash2_mlx.core.chat import encode_prompt
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.session import Session
 

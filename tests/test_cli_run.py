@@ -15,7 +15,7 @@ from real_assets import smollm2_gguf
 JSON_FIELDS = {
     "model", "target", "drafter", "notes", "text", "token_ids", "n_tokens", "finish_reason", "tau", "cycles",
     "speculative_cycles", "acceptance_by_position", "accepted_histogram", "prompt_tokens", "cached_tokens",
-    "prompt_tps", "decode_tps", "peak_memory_gb",
+    "prompt_tps", "decode_tps", "peak_memory_gb", "kv_bits", "kv_group_size", "distributed",
 }
 
 
@@ -30,6 +30,7 @@ def test_json_has_every_field_and_plain_decoding_matches(pair, isolated):
     spec = run_json(target, "Hello world", "--drafter", drafter, "-n", "24", "--block-size", "4")
     plain = run_json(target, "Hello world", "--drafter", "none", "-n", "24")
     assert set(spec) == JSON_FIELDS
+    assert spec["kv_bits"] is None and spec["distributed"] is None  # full-precision K/V, one process
     assert spec["n_tokens"] == len(spec["token_ids"]) == 24 and spec["speculative_cycles"] > 0
     assert sum(spec["accepted_histogram"]) == spec["speculative_cycles"]
     assert plain["drafter"] is None and plain["speculative_cycles"] == 0

@@ -10,9 +10,9 @@ import pytest
 from scipy import stats
 
 from dflash2_mlx import SamplingParams, generate
-from dflash2_mlx.constraint import GrammarConstraint, json_schema_grammar, regex_grammar
+from dflash2_mlx.core.constraint import GrammarConstraint, json_schema_grammar, regex_grammar
+from dflash2_mlx.core.sampling import target_probs
 from dflash2_mlx.errors import ConfigError
-from dflash2_mlx.sampling import target_probs
 
 from tiny import tiny_drafter, tiny_target
 

@@ -174,7 +174,7 @@ def _naive_stop(text, stops):
 
 @pytest.mark.parametrize("stops", [["lo w"], ["xyz", "o w", "ld"], ["d!", "zz"], ["w"], ["nope"]])
 def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch, stops):
-    from dflash2_mlx import stopper as stopper_module
+    from dflash2_mlx.core import stopper as stopper_module
 
     from tiny import TinyTokenizer
 
@@ -206,7 +206,7 @@ def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch
 def test_generation_runs_inside_the_wired_limit_and_clears_the_cache_unchanged(monkeypatch):
     from contextlib import contextmanager
 
-    from dflash2_mlx import engine
+    from dflash2_mlx.core import engine
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", block_size=4)

@@ -43,7 +43,7 @@ def _byte_fallback_tokenizer():
 
 
 def test_a_cut_mid_character_emits_no_replacement_character():
-    from dflash2_mlx.stopper import Stopper
+    from dflash2_mlx.core.stopper import Stopper
 
     tok = _byte_fallback_tokenizer()
     whole = Stopper(tok, {1}, [], max_tokens=10)
@@ -102,7 +102,7 @@ def test_penalties_read_only_their_window_of_a_long_history():
     import mlx.core as mx
 
     from dflash2_mlx import SamplingParams
-    from dflash2_mlx.sampling import make_processors, process_rows
+    from dflash2_mlx.core.sampling import make_processors, process_rows
 
     params = SamplingParams(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, penalty_context=20)
     history = [(7 * i) % 90 + 3 for i in range(500)]

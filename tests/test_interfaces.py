@@ -2,8 +2,8 @@
 
 from test_batch_engine import ScriptedRows
 
-from dflash2_mlx.block_policy import AdaptiveBlockPolicy, BatchWidthPolicy, Costs, FixedBlockPolicy
-from dflash2_mlx.interfaces import BatchPolicy, DraftModel, TargetModel, WidthPolicy
+from dflash2_mlx.core.block_policy import AdaptiveBlockPolicy, BatchWidthPolicy, Costs, FixedBlockPolicy
+from dflash2_mlx.core.interfaces import BatchPolicy, DraftModel, TargetModel, WidthPolicy
 
 from test_engine import ScriptedDrafter
 from tiny import tiny_drafter, tiny_target

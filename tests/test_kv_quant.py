@@ -8,8 +8,8 @@ from typer.testing import CliRunner
 
 from dflash2_mlx import SamplingParams, generate
 from dflash2_mlx.cli import app
+from dflash2_mlx.core.prompt_cache import PromptCache, load_prompt_cache, save_prompt_cache
 from dflash2_mlx.errors import ConfigError
-from dflash2_mlx.prompt_cache import PromptCache, load_prompt_cache, save_prompt_cache
 from dflash2_mlx.server import ServerConfig, create_app
 
 from tiny import FAMILIES, save_tiny_pair, tiny_drafter, tiny_target

@@ -4,8 +4,8 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import SamplingParams, generate, stream_generate
+from dflash2_mlx.core.prompt_cache import PromptCache
 from dflash2_mlx.errors import ConfigError
-from dflash2_mlx.prompt_cache import PromptCache
 
 from tiny import tiny_drafter, tiny_target
 
@@ -68,7 +68,7 @@ def test_exact_kinds_trim_and_others_fall_back_to_the_mark(target):
 
 
 def test_a_window_cache_trims_only_the_rows_it_holds():
-    from dflash2_mlx.caches import WindowKVCache, can_trim
+    from dflash2_mlx.core.caches import WindowKVCache, can_trim
 
     c = WindowKVCache(window=8, reserve=2)
     row = mx.zeros((1, 1, 1, 4))
@@ -82,7 +82,7 @@ def test_a_window_cache_trims_only_the_rows_it_holds():
 def test_a_restored_or_cloned_cache_takes_new_rows(kind):
     from mlx_lm.models.cache import KVCache
 
-    from dflash2_mlx.caches import WindowKVCache, clone, restore, snapshot
+    from dflash2_mlx.core.caches import WindowKVCache, clone, restore, snapshot
 
     def make():
         return WindowKVCache(window=8, reserve=4) if kind == "window" else KVCache()
@@ -156,7 +156,7 @@ def test_nbytes_counts_the_caches():
 
 
 def test_a_saved_and_loaded_cache_continues_exactly(target, tmp_path):
-    from dflash2_mlx.prompt_cache import load_prompt_cache, save_prompt_cache
+    from dflash2_mlx.core.prompt_cache import load_prompt_cache, save_prompt_cache
 
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     drafter.path = "tiny-drafter"

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash2_mlx.sampling import SamplingParams
+from dflash2_mlx.core.sampling import SamplingParams
 from dflash2_mlx.server.batch import batchable
 from dflash2_mlx.server.metrics import Metrics, parse
 from dflash2_mlx.server.worker import GenerationWorker, Job
@@ -169,7 +169,7 @@ def test_a_batched_row_starts_from_its_prefix_cache_entry_and_hands_it_back():
 
 
 def test_a_target_the_batch_cannot_hold_serves_one_at_a_time(monkeypatch, caplog):
-    from dflash2_mlx import batch_cache
+    from dflash2_mlx.core import batch_cache
     from dflash2_mlx.errors import UnsupportedCacheError
 
     def refuse(target):

@@ -12,9 +12,9 @@ import pytest
 from test_server_harness import ServerProcess, metrics, write_pair
 
 from dflash2_mlx import generate
+from dflash2_mlx.core.prompt_cache import PromptCache
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.paths import parse_bytes
-from dflash2_mlx.prompt_cache import PromptCache
 from dflash2_mlx.server.cache_pool import PromptCachePool
 
 from tiny import tiny_drafter, tiny_target

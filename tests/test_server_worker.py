@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from dflash2_mlx.core.sampling import SamplingParams
 from dflash2_mlx.errors import ConfigError
-from dflash2_mlx.sampling import SamplingParams
 from dflash2_mlx.server.config import ServerConfig
 from dflash2_mlx.server.dispatch import check_model, make_state
 from dflash2_mlx.server.errors import APIError, validation_message

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from dflash2_mlx import generate
-from dflash2_mlx.caches import RecurrentCache
-from dflash2_mlx.recurrent import GatedDeltaReplay, MixerReplay, replay_layers, replay_stacked
+from dflash2_mlx.core.caches import RecurrentCache
+from dflash2_mlx.core.recurrent import GatedDeltaReplay, MixerReplay, replay_layers, replay_stacked
 
 from test_engine import PROMPT, ScriptedDrafter
 from tiny import FAMILIES, tiny_drafter, tiny_target
@@ -33,7 +33,7 @@ def targets():
 @pytest.fixture
 def stack_calls(monkeypatch):
     """Group sizes that went through `replay_stacked` (proves the stacked path ran)."""
-    import dflash2_mlx.recurrent as recurrent
+    import dflash2_mlx.core.recurrent as recurrent
 
     sizes = []
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import ChunkedKVCache, ConcatenateKVCache, KVCache, RotatingKVCache
 
-from dflash2_mlx.caches import RecurrentCache, WindowKVCache, adapt_cache
+from dflash2_mlx.core.caches import RecurrentCache, WindowKVCache, adapt_cache
 from dflash2_mlx.errors import ConfigError, UnsupportedCacheError
 from dflash2_mlx.target import HiddenTap, Target
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dflash2_mlx import generate
-from dflash2_mlx.constraint import GrammarConstraint
+from dflash2_mlx.core.constraint import GrammarConstraint
 from dflash2_mlx.server.errors import APIError
 from dflash2_mlx.server.tool_grammar import FORMATS, call_format, forced_call_grammar
 from dflash2_mlx.target import Target

@@ -6,8 +6,8 @@ import pytest
 from reference import np_ops
 from scipy import stats
 
-from dflash2_mlx import verify
-from dflash2_mlx.verify import dense_q, greedy_accept, one_hot_q, rejection_sample, residual_distribution
+from dflash2_mlx.core import verify
+from dflash2_mlx.core.verify import dense_q, greedy_accept, one_hot_q, rejection_sample, residual_distribution
 
 rng = np.random.default_rng(1)
 
@@ -167,7 +167,7 @@ class OverlapDrafter:
         from dflash2_mlx.drafter.selector import Proposal
 
         ctx = context.take()
-        from dflash2_mlx.sampling import SamplingParams, target_probs
+        from dflash2_mlx.core.sampling import SamplingParams, target_probs
 
         n_rows = ctx.shape[1]
         if self.last is not None and len(self.history) != n_rows:  # not the first call
@@ -210,7 +210,7 @@ def _engine_first_three(make_drafter, n_draws, seed0, fresh=False):
 
 def _exact_joint(target, n=3):
     """{(x1..xn): probability} of the target's own first n tokens, by enumeration."""
-    from dflash2_mlx.sampling import SamplingParams, target_probs
+    from dflash2_mlx.core.sampling import SamplingParams, target_probs
 
     sp = SamplingParams(**E2E_PARAMS)
     joint = {(): 1.0}

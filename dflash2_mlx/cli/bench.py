@@ -99,8 +99,8 @@ def bench(
                                             "for --block-size auto, print them, and exit.")] = False,
 ) -> None:
     from .. import bench as lib
+    from ..core.sampling import SamplingParams
     from ..prompts import load_suites, parse_suites
-    from ..sampling import SamplingParams
     from ..session import parse_block_size
 
     size = parse_block_size(block_size)
@@ -257,8 +257,8 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
 def _calibrate(target, drafters, console, size) -> None:
     from rich.table import Table
 
-    from ..block_policy import break_even_acceptance
-    from ..calibration import get_calibration
+    from ..core.block_policy import break_even_acceptance
+    from ..core.calibration import get_calibration
 
     if not drafters:
         from ..errors import ConfigError

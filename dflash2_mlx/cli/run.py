@@ -100,7 +100,7 @@ def run(
         result = session.generate(prompt, sampling=sampling, max_tokens=max_tokens, on_text=_write,
                                   prompt_cache=cache, **template)
     if prompt_cache is not None:
-        from ..prompt_cache import save_prompt_cache
+        from ..core.prompt_cache import save_prompt_cache
 
         save_prompt_cache(prompt_cache, cache)
     if json_out:
@@ -134,7 +134,7 @@ def _run_sharded(session, prompt, sampling, max_tokens, template, json_out, prom
 def _open_cache(session, path):
     """The --prompt-cache file's cache (a fresh one when absent), else a fresh one for a chat."""
     if path is not None and path.exists():
-        from ..prompt_cache import load_prompt_cache
+        from ..core.prompt_cache import load_prompt_cache
 
         return load_prompt_cache(path, session.target, session.drafter)
     return session.prompt_cache()

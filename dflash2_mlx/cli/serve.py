@@ -200,7 +200,7 @@ def _sharded(session, config):
     Returns rank 0's config, or None on the other ranks once they are done."""
     import dataclasses
 
-    from ..distributed import follow_requests
+    from ..core.distributed import follow_requests
 
     if not session.lockstep.leader:
         follow_requests(session)

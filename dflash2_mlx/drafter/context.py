@@ -18,7 +18,7 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..caches import WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
+from ..core.caches import WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
 
 MAX_PENDING_PARTS = 32  # long plain stretches feed one row at a time: keep the list short
 # Pending rows may grow to this many times the limit before the unseen ones are dropped, so a

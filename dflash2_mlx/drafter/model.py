@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..caches import WindowKVCache
+from ..core.caches import WindowKVCache
 from ..errors import ConfigError
 from .config import DrafterConfig, check_fits
 from .context import DraftContext, draft_caches

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..batch_engine import SpeculativeBatch
+from ..core.batch_engine import SpeculativeBatch
 
 
 def batchable(job) -> bool:
@@ -37,7 +37,7 @@ def batch_policy(session):
     """The batch's width policy for a session: None (its fixed width) unless `--block-size auto`."""
     if session.drafter is None or session.block_size != "auto":
         return None
-    from ..block_policy import BatchWidthPolicy
+    from ..core.block_policy import BatchWidthPolicy
 
     session.prepare()  # the calibration, measured once per machine
     # The drafts' acceptance is the drafter's on this traffic, whether a row runs alone or batched.

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from ..prompt_cache import PromptCache, common_prefix
+from ..core.prompt_cache import PromptCache, common_prefix
 from .config import DEFAULT_PROMPT_CACHE_BYTES
 
 

@@ -21,8 +21,8 @@ import anyio
 from fastapi import Depends, Request
 
 from .._version import __version__
+from ..core.sampling import SamplingParams
 from ..errors import ConfigError, DFlashError
-from ..sampling import SamplingParams
 from .cache_pool import PromptCachePool
 from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
 from .errors import APIError
@@ -291,7 +291,7 @@ def _depth(value, limit: int = MAX_SCHEMA_DEPTH) -> int:
 async def json_constraint(state: ServerState, schema: dict | None, param: str):
     """A GrammarConstraint for JSON matching `schema` (None: any object); a bad, too large or too
     deep schema → 400 naming `param`. Built off the event loop (the first one scans the vocab)."""
-    from ..constraint import json_schema_grammar
+    from ..core.constraint import json_schema_grammar
 
     if schema is not None:
         if not isinstance(schema, dict):
@@ -309,7 +309,7 @@ async def grammar_constraint(state: ServerState, make_grammar, param: str, json_
     """A GrammarConstraint for the grammar `make_grammar()` returns, built off the event loop;
     a grammar that does not compile → 400 naming `param`. A JSON reply's digit runs are capped
     (`JSON_DIGIT_CAP`), so an unbounded number always ends."""
-    from ..constraint import JSON_DIGIT_CAP, GrammarConstraint
+    from ..core.constraint import JSON_DIGIT_CAP, GrammarConstraint
 
     target = state.session.target
     cap = JSON_DIGIT_CAP if json_reply else None

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 
-from ..stats import tau_from_counts
+from ..core.stats import tau_from_counts
 
 # Routes counted by name; anything else is counted as "other" so that scanners probing random
 # paths cannot grow the label set without bound.

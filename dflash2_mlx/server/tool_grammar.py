@@ -43,7 +43,7 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: boo
                         param: str = "tool_choice") -> str:
     """An llguidance grammar that makes the model call a tool: `choice` "required" (any of
     `tools`, one or more calls when `parallel`) or one function's name."""
-    from ..constraint import lark_grammar
+    from ..core.constraint import lark_grammar
 
     check_forced_format(tokenizer, choice, model_name, param)
     chosen = tools if choice == "required" else [t for t in tools if t["function"]["name"] == choice]
@@ -68,7 +68,7 @@ def marker(tokenizer, text: str) -> str:
 
 
 def _json(schema: dict) -> str:
-    from ..constraint import BOUNDED_WHITESPACE
+    from ..core.constraint import BOUNDED_WHITESPACE
 
     return "%json " + json.dumps({"x-guidance": {"whitespace_pattern": BOUNDED_WHITESPACE}, **schema})
 

@@ -23,8 +23,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..core.stats import tau_from_counts
 from ..errors import DFlashError
-from ..stats import tau_from_counts
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class GenerationWorker:
     def _target_batches(self) -> bool:
         """Whether the batch can hold this target's caches; if not, say so once and serve
         one request at a time."""
-        from ..batch_cache import empty_batch
+        from ..core.batch_cache import empty_batch
         from ..errors import UnsupportedCacheError
 
         try:
@@ -375,7 +375,7 @@ class GenerationWorker:
                 self.metrics.batch_size(len(batch or ()))
             if self._stopped and solo is None and not batch:
                 if self.session.lockstep is not None:  # the other ranks of a sharded target leave too
-                    from ..distributed import announce_stop
+                    from ..core.distributed import announce_stop
 
                     announce_stop(self.session.lockstep)
                 return
@@ -459,7 +459,7 @@ class GenerationWorker:
         handed = False
         try:
             if self.session.lockstep is not None:  # the other ranks of a sharded target decode it too
-                from ..distributed import announce
+                from ..core.distributed import announce
 
                 announce(self.session.lockstep, job.prompt_ids)
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,

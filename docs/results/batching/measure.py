@@ -23,7 +23,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "prefix-cache"))
 from measure import BIN, blas_env, servers_up  # noqa: E402  (the prefix-cache benchmark's server helpers)
 

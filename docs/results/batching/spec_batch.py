@@ -83,7 +83,7 @@ def mlx_batch(session, prompts, n):
 
 
 def ours(session, prompts, n, width=None, policy=None):
-    from dflash2_mlx.batch_engine import SpeculativeBatch
+    from dflash2_mlx.core.batch_engine import SpeculativeBatch
 
     drafter = session.drafter if width != 1 else None
     batch = SpeculativeBatch(session.target, drafter, block_size=width if width and width > 1 else None,
@@ -111,8 +111,8 @@ def main() -> None:
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    from dflash2_mlx.block_policy import BatchWidthPolicy
-    from dflash2_mlx.calibration import get_calibration
+    from dflash2_mlx.core.block_policy import BatchWidthPolicy
+    from dflash2_mlx.core.calibration import get_calibration
     from dflash2_mlx.session import Session
 
     session = Session.open(None, progress=False)

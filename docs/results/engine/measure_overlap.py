@@ -1,7 +1,7 @@
-import statistics, sys
-from dflash2_mlx.session import Session
 from dflash2_mlx import generate
 from dflash2_mlx.prompts import load_suites, parse_suites
+from dflash2_mlx.session import Session
+
 s = Session.open(None, progress=False)
 prompts = [p for su in load_suites(parse_suites("gsm8k,humaneval,mtbench"), 2) for p in su.prompts]
 res = {True: [], False: []}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from dflash2_mlx.caches import RecurrentCache
+from dflash2_mlx.core.caches import RecurrentCache
 from dflash2_mlx.target import Target
 
 HERE = Path(__file__).parent

@@ -40,7 +40,7 @@ class LLGuidance:
         import llguidance.hf
         import llguidance.numpy
 
-        from dflash2_mlx.constraint import json_schema_grammar
+        from dflash2_mlx.core.constraint import json_schema_grammar
 
         t0 = time.perf_counter()
         tok = llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)

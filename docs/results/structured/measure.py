@@ -14,8 +14,8 @@ import argparse
 import json
 import time
 
-from dflash2_mlx.constraint import GrammarConstraint, json_schema_grammar
-from dflash2_mlx.engine import collect, stream_generate
+from dflash2_mlx.core.constraint import GrammarConstraint, json_schema_grammar
+from dflash2_mlx.core.engine import collect, stream_generate
 from dflash2_mlx.session import Session
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from ..errors import ConfigError
 from . import batch_cache
 from .engine import (
     CLEAR_CACHE_EVERY,
@@ -47,7 +48,6 @@ from .engine import (
     start_run,
     verdict,
 )
-from .errors import ConfigError
 from .interfaces import BatchPolicy, DraftModel, TargetModel
 from .sampling import SamplingParams
 from .stopper import Stopper

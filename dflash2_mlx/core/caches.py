@@ -31,7 +31,7 @@ from mlx_lm.models.cache import (
     _BaseCache,
 )
 
-from .errors import UnsupportedCacheError
+from ..errors import UnsupportedCacheError
 
 
 class WindowKVCache(_BaseCache):

@@ -21,8 +21,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, _BaseCache
 
+from ..errors import UnsupportedCacheError
 from .caches import RecurrentCache, WindowKVCache
-from .errors import UnsupportedCacheError
 
 COMPACT_MIN_SLOTS = 64  # below this many slots holes cost less than packing them
 # Slots kept past a window when packing, so that a row leaving the batch can still drop its last

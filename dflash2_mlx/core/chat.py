@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from numbers import Integral
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def is_messages(prompt) -> bool:

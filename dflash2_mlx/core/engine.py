@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..errors import ConfigError
 from . import stats
 from .chat import encode_prompt
 from .distributed import Lockstep
-from .errors import ConfigError
 from .interfaces import DraftModel, TargetModel, WidthPolicy
 from .sampling import SamplingParams, make_processors, process_rows, target_probs
 from .stopper import Stopper

@@ -24,7 +24,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def _llguidance():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 @dataclass

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from .caches import RecurrentCache, WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
-from .errors import ConfigError
 
 DEFAULT_RESERVE = 64  # tokens a window cache can drop exactly past its window (and the widest verify)
 
@@ -219,7 +219,7 @@ def save_prompt_cache(path, cache: PromptCache) -> None:
 
     import mlx.core as mx
 
-    from .paths import atomic_path
+    from ..paths import atomic_path
 
     arrays, layers = {}, []
     for i, c in enumerate(cache.target_cache):

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from .paths import atomic_path
+from ..paths import atomic_path
 
 DEFAULT_HYSTERESIS = 0.05  # a new width must be predicted this much faster to replace the current one
 DEFAULT_DECAY = 0.97  # per speculative cycle: acceptance evidence fades over ~30 cycles
@@ -412,7 +412,7 @@ class Calibration:
 
 def default_cache_dir() -> Path:
     """`<dflash2 cache>/calibration` ($DFLASH2_HOME, default ~/.cache/dflash2)."""
-    from . import paths
+    from .. import paths
 
     return paths.home() / "calibration"
 

@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from .drafter.config import DrafterConfig
-    from .drafter.context import DraftContext
-    from .drafter.selector import Proposal
+    from ..drafter.config import DrafterConfig
+    from ..drafter.context import DraftContext
+    from ..drafter.selector import Proposal
 
 
 @runtime_checkable

@@ -60,7 +60,7 @@ def machine_fingerprint() -> dict:
         device = str(info.get("device_name") or info.get("architecture") or "")
     except Exception:  # device_info is absent on some backends/builds
         device = ""
-    from .blas import active_blas
+    from ..blas import active_blas
 
     blas = active_blas()["name"]
     fields = {
