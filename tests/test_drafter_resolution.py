@@ -28,12 +28,12 @@ transformers = pytest.importorskip("transformers")
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 # ---------------------------------------------------------------------------------------------------------
-# The values each drafter is meant to give. The v2 values are the shipped drafter's intended ones; the v1
-# demo drafter shares its shape and training settings. Tiny drafters: tests/tiny.py `drafter_config_dict`.
+# The values each drafter is meant to give. The v2 values are the shipped drafter's intended ones (trained at
+# block 4 since 2026-12-03); the v1 demo drafter shares its shape, at block 8. Tiny drafters: tests/tiny.py `drafter_config_dict`.
 # ---------------------------------------------------------------------------------------------------------
-SHIPPED_V2 = dict(arch="DFlash2DraftModel", layers=2, block=8, taps=[1, 8, 14, 20, 27], n_target=30, mask=16,
+SHIPPED_V2 = dict(arch="DFlash2DraftModel", layers=2, block=4, taps=[1, 8, 14, 20, 27], n_target=30, mask=16,
                   window=2048, conv=(2, 16), selector=(64, 16), hidden=576, vocab=49152)
-SHIPPED_V1 = dict(SHIPPED_V2, arch="DFlashDraftModel", conv=None, selector=None)
+SHIPPED_V1 = dict(SHIPPED_V2, arch="DFlashDraftModel", block=8, conv=None, selector=None)  # v1 trained at block 8
 TINY_V2 = dict(arch="DFlash2DraftModel", layers=2, block=4, taps=[0, 2, 3], n_target=4, mask=MASK_ID, window=16,
                conv=(2, 16), selector=(16, 8), hidden=HIDDEN, vocab=VOCAB)
 TINY_V1 = dict(TINY_V2, arch="DFlashDraftModel", conv=None, selector=None)
