@@ -131,3 +131,19 @@ def _rank_pid(rank: int, marker: str) -> int:
             if any(part.endswith(b"python") or b"python3" in part for part in cmdline[:1]):
                 return int(proc.name)
     raise AssertionError(f"no rank {rank} process with {marker!r}")
+
+
+def test_a_group_the_heads_cannot_be_split_over_is_refused_by_name():
+    from types import SimpleNamespace
+
+    from dflash2_mlx.core.distributed import check_shardable
+    from dflash2_mlx.errors import ConfigError
+
+    smollm2 = SimpleNamespace(num_attention_heads=9, num_key_value_heads=3)
+    check_shardable(smollm2, 3)
+    with pytest.raises(ConfigError, match="its 9 attention heads do not divide by 2 .9 attention heads, 3 KV heads."):
+        check_shardable(smollm2, 2)
+    hybrid = SimpleNamespace(text_config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    check_shardable(hybrid, 2)
+    with pytest.raises(ConfigError, match="its 2 KV heads do not divide by 4"):
+        check_shardable(SimpleNamespace(text_config={"num_attention_heads": 4, "num_key_value_heads": 2}), 4)

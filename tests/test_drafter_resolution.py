@@ -28,8 +28,9 @@ transformers = pytest.importorskip("transformers")
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 # ---------------------------------------------------------------------------------------------------------
-# The values each drafter is meant to give. The v2 values are the shipped drafter's intended ones (trained at
-# block 4 since 2026-12-03); the v1 demo drafter shares its shape, at block 8. Tiny drafters: tests/tiny.py `drafter_config_dict`.
+# The values each drafter is meant to give. The v2 values are the shipped drafter's intended ones
+# (trained at block 4 since 2026-12-03); the v1 demo drafter shares its shape, at block 8.
+# Tiny drafters: tests/tiny.py `drafter_config_dict`.
 # ---------------------------------------------------------------------------------------------------------
 SHIPPED_V2 = dict(arch="DFlash2DraftModel", layers=2, block=4, taps=[1, 8, 14, 20, 27], n_target=30, mask=16,
                   window=2048, conv=(2, 16), selector=(64, 16), hidden=576, vocab=49152)

@@ -67,6 +67,18 @@ def launched() -> Lockstep | None:
     return Lockstep(group) if group.size() > 1 else None
 
 
+def check_shardable(args, size: int) -> None:
+    """Refuse a group size the attention heads cannot be split over (mlx-lm's `shard` divides
+    them without checking, and the first forward pass then fails on mismatched shapes)."""
+    cfg = getattr(args, "text_config", None) or {}
+    get = (lambda k: cfg.get(k)) if isinstance(cfg, dict) and cfg else (lambda k: getattr(args, k, None))
+    heads, kv_heads = get("num_attention_heads"), get("num_key_value_heads")
+    for name, n in (("attention heads", heads), ("KV heads", kv_heads)):
+        if isinstance(n, int) and n % size:
+            raise ConfigError(f"cannot shard this model over {size} ranks: its {n} {name} do not divide by {size} "
+                              f"({heads} attention heads, {kv_heads} KV heads)")
+
+
 def shard_model(model, lockstep: Lockstep) -> None:
     """Tensor-parallel shards of `model`'s decoder layers over the group (mlx-lm's own `shard`).
     The output head stays whole on every rank: the drafter shares it, and rank 0 reads every
@@ -74,6 +86,7 @@ def shard_model(model, lockstep: Lockstep) -> None:
     if not hasattr(model, "shard"):
         raise ConfigError(f"mlx-lm cannot shard a {getattr(model, 'model_type', type(model).__name__)} model "
                           "(no Model.shard); run it on one machine")
+    check_shardable(getattr(model, "args", None), lockstep.size)
     owners = [m for m in (model, getattr(model, "language_model", None)) if m is not None and "lm_head" in m]
     heads = [(m, m.lm_head) for m in owners]
     try:
