@@ -94,3 +94,22 @@ def test_responses_reasoning_item(server):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
     assert [o["type"] for o in events[-1]["response"]["output"]] == ["reasoning", "message"]
     json.dumps(events)
+
+
+def test_anthropic_budget_tokens_closes_the_thinking_span(server):
+    body = {"model": NAME, "messages": ASK, "max_tokens": 16, "thinking": {"type": "enabled", "budget_tokens": 1}}
+    msg = request(server.url, "POST", "/v1/messages", body).json()
+    # the model would think "hm"; one token in, its end marker is forced and the answer follows
+    assert [(b["type"], b.get("thinking", b.get("text"))) for b in msg["content"]] == [
+        ("thinking", THOUGHT[:1]), ("text", ANSWER)]
+    _, resp = open_stream(server.url, "/v1/messages", body | {"stream": True})
+    events = [e for e in sse_events(resp) if isinstance(e, dict)]
+    assert "".join(e["delta"].get("thinking", "") for e in events if e["type"] == "content_block_delta") == "h"
+    assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == ANSWER
+    roomy = request(server.url, "POST", "/v1/messages", body | {"thinking": {"type": "enabled",
+                                                                             "budget_tokens": 2}}).json()
+    assert roomy["content"][0]["thinking"] == THOUGHT  # a budget the span fits in changes nothing
+    for bad in (0, 2.5, "9"):
+        reply = request(server.url, "POST", "/v1/messages", body | {"thinking": {"type": "enabled",
+                                                                                 "budget_tokens": bad}})
+        assert reply.status == 400 and "budget_tokens" in reply.json()["error"]["message"], bad

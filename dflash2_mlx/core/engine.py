@@ -30,7 +30,7 @@ from ..errors import ConfigError
 from . import stats
 from .chat import encode_prompt
 from .distributed import Lockstep
-from .interfaces import DraftModel, TargetModel, WidthPolicy
+from .interfaces import Constraint, DraftModel, TargetModel, WidthPolicy
 from .sampling import SamplingParams, make_processors, process_rows, target_probs
 from .stopper import Stopper
 from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
@@ -144,7 +144,7 @@ class _Run:
     overlap: bool = True  # build the verify graph while the drafts compute
     queued: tuple | None = None  # the next plain step's (token, logprobs), queued but not read back
     decided: int | None = None  # the next cycle's width, picked while that token was queued
-    constraint: object | None = None  # a GrammarConstraint masking the target's rows, or None
+    constraint: Constraint | None = None  # masks the target's rows (a grammar, a thinking budget), or None
     lockstep: Lockstep | None = None  # set when the target is sharded over processes
     told_stop: bool = False  # sharded: rank 0's last word was "stop"
 
@@ -412,7 +412,8 @@ def _emitted_rows(drafts: mx.array, outputs: tuple, greedy: bool) -> mx.array:
 def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, params: SamplingParams,
               prompt_cache=None, *, kv_bits: int | None = None, kv_group_size: int | None = None,
               top_logprobs: int | None = None,
-              overlap: bool = False, constraint=None, prompt_len: int | None = None, lockstep=None):
+              overlap: bool = False, constraint: Constraint | None = None, prompt_len: int | None = None,
+              lockstep=None):
     """A checked `_Run` for `ids` and what the caches already cover: (run, n_cached, mark).
 
     With `prompt_cache`, the caches are its own, brought to the longest prefix of `ids` they
@@ -446,7 +447,7 @@ def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_T
                     prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy: WidthPolicy | None = None,
                     kv_bits: int | None = None, kv_group_size: int | None = None, on_prefill=None,
                     pipelined: bool = True, top_logprobs: int | None = None, overlap: bool | None = None,
-                    constraint=None, lockstep: Lockstep | None = None):
+                    constraint: Constraint | None = None, lockstep: Lockstep | None = None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -477,9 +478,9 @@ def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_T
         top_logprobs: when set, each event carries `logprobs`: every token's log-probability
             under the target (from the verify rows, so equal to plain decoding's) and this
             many most likely alternatives (0 for none).
-        constraint: a `GrammarConstraint` (fresh, at the grammar's start): every target row is
-            masked by the grammar state along the draft path, so the output equals constrained
-            plain decoding; generation ends when the grammar is complete.
+        constraint: a `Constraint` (fresh: a `GrammarConstraint` at its grammar's start, a
+            `ThinkingBudget`): every target row is masked by its state along the draft path, so
+            the output equals constrained plain decoding; generation ends when it is complete.
         prompt_cache: a `PromptCache` for this target and drafter: generation starts from the
             longest prefix of the prompt it reaches exactly and leaves it covering prompt and
             reply (events report `cached_tokens`). Output equals a cold run's.

@@ -1,5 +1,5 @@
 """The interfaces between the decoding layers, declared: what the engines ask of a target, a
-drafter and a width policy. `Target`, `Drafter` and the policies in `block_policy` implement
+drafter, a width policy and a decoding constraint. `Target`, `Drafter` and the policies in `block_policy` implement
 them; test doubles (a scripted drafter) implement the same, checked by `isinstance` in tests."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import mlx.core as mx
+    import numpy as np
 
     from ..drafter.config import DrafterConfig
     from ..drafter.context import DraftContext
@@ -68,3 +69,22 @@ class BatchPolicy(Protocol):
     def next_width(self, max_width: int, batch: int) -> int: ...
 
     def observe(self, batch: int, cycle, rows: list[tuple[int, int]]) -> None: ...  # cycle: a CycleStats
+
+
+@runtime_checkable
+class Constraint(Protocol):
+    """Masks the target's rows along a draft path (`GrammarConstraint`, `ThinkingBudget`): row 0
+    in the committed state, row i+1 after drafts[0..i]; `commit` the tokens a cycle emits."""
+
+    mask_drafts: bool  # greedy: forbidden drafts are repaired before the verify (`walk`)
+
+    def walk(self, drafts: list[int], candidates=None) -> tuple[list[int], np.ndarray]: ...
+
+    def masks(self, drafts: list[int]) -> np.ndarray: ...
+
+    def apply(self, rows: mx.array, drafts: list[int], allowed: np.ndarray | None = None) -> mx.array: ...
+
+    def commit(self, tokens: list[int]) -> None: ...
+
+    @property
+    def done(self) -> bool: ...

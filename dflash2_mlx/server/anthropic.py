@@ -19,7 +19,9 @@ What Claude Code sends and how it is taken:
 * A prompt over the window is refused as Anthropic does ("prompt is too long: N tokens > M
   maximum"), the wording Claude Code answers by compacting the conversation.
 * `thinking` sets the model's thinking mode when its chat template has one; a model without one
-  answers without thinking blocks.
+  answers without thinking blocks. `budget_tokens` is a hard cap: past it the thinking span is
+  closed (its end marker forced, inside speculation), and the answer follows. Any budget of at
+  least 1 is taken (Anthropic asks for 1,024 or more; a local model may want less).
 * Tools with `defer_loading` are left out (the tool-search they wait for does not exist here).
 * Ignored on purpose, having no meaning on a local server: `metadata`, `output_config`,
   `context_management`, `cache_control` (the prefix cache works without it), and the
@@ -133,6 +135,12 @@ def _thinking(state: ServerState, body) -> dict:
     if "enable_thinking" not in str(template):
         return {}
     return {"enable_thinking": kind != "disabled"}
+
+
+def _budget(body) -> int | None:
+    """`thinking.budget_tokens` when thinking is on: a hard cap on the thinking span's tokens."""
+    thinking = body.thinking or {}
+    return thinking.get("budget_tokens") if thinking.get("type", "disabled") == "enabled" else None
 
 
 def _shows_thinking(body) -> bool:
@@ -287,7 +295,7 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
     dispatch.check_prompt(state, ids)
     params = dispatch.sampling(state, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
     job = dispatch.submit(state, ids, params, n_max, dispatch.stop_list(body.stop_sequences), "messages",
-                          constraint=constraint)
+                          constraint=constraint, thinking_budget=_budget(body))
     calls = tools.CallCollector(state.session.target.tokenizer, tool_list, parallel,
                                 forced=choice not in ("auto", "none"))
     split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)

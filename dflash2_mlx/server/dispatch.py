@@ -21,8 +21,10 @@ import anyio
 from fastapi import Depends, Request
 
 from .._version import __version__
+from ..core.interfaces import Constraint
 from ..core.sampling import SamplingParams
 from ..errors import ConfigError, DFlashError
+from . import reasoning
 from .cache_pool import PromptCachePool
 from .config import DEFAULT_MAX_PROMPT_TOKENS, ServerConfig
 from .errors import APIError
@@ -343,8 +345,13 @@ def check_prompt(state: ServerState, ids: list[int]) -> None:
 
 
 def submit(state: ServerState, ids: list[int], params: SamplingParams, n_max: int, stop: list[str],
-           endpoint: str, top_logprobs: int | None = None, constraint=None) -> Job:
-    """Queue a job; a full queue → 429 with Retry-After, shutdown → 503."""
+           endpoint: str, top_logprobs: int | None = None, constraint: Constraint | None = None,
+           thinking_budget: int | None = None) -> Job:
+    """Queue a job; a full queue → 429 with Retry-After, shutdown → 503. A thinking model's
+    reply thinks first: a grammar starts after its thinking span, which `thinking_budget` caps."""
+    target = state.session.target
+    constraint = reasoning.thinking_constraint(target.tokenizer, ids, target.info.vocab_size, thinking_budget,
+                                               n_max, constraint)
     job = Job(ids, params, n_max, stop, asyncio.get_running_loop(), endpoint, top_logprobs, constraint)
     try:
         state.worker.submit(job)

@@ -82,3 +82,21 @@ def pieces(split: "ReasoningSplit | None", text: str, final: bool = False) -> li
     if split is None:
         return [(CONTENT, text)] if text else []
     return split.feed(text) + (split.finish() if final else [])
+
+
+def thinking_constraint(tokenizer, prompt_ids: list[int], vocab_size: int, budget: int | None, n_max: int,
+                        then=None):
+    """The constraint for a reply to `prompt_ids`: `then` (a grammar, or None), wrapped in a
+    `ThinkingBudget` where the reply may think and needs one: a `budget` that can bind (below
+    `n_max`), or a grammar for a reply that starts inside its thinking span, which must wait
+    until the span closes. Otherwise `then` itself, so unconstrained decoding keeps its fast path."""
+    from ..core.thinking_budget import ThinkingBudget
+
+    split = ReasoningSplit.for_prompt(tokenizer, prompt_ids)
+    if split is None:
+        return then
+    binding = budget is not None and budget < n_max
+    if not binding and not (then is not None and split.inside):
+        return then
+    return ThinkingBudget(list(tokenizer.think_start_tokens), list(tokenizer.think_end_tokens), vocab_size,
+                          budget if binding else None, split.inside, then)

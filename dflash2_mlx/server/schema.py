@@ -388,6 +388,9 @@ class _AnthropicPrompt(_Body):
         kind = (self.thinking or {}).get("type", "disabled")
         if kind not in ("enabled", "adaptive", "disabled"):
             return f"thinking.type must be enabled, adaptive or disabled, got {kind!r}"
+        budget = (self.thinking or {}).get("budget_tokens")
+        if budget is not None and (type(budget) is not int or budget < 1):
+            return f"thinking.budget_tokens must be a whole number of tokens >= 1, got {budget!r}"
         for i, message in enumerate(self.messages):
             if isinstance(message.content, list):
                 for block in message.content:

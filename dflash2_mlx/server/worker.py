@@ -23,6 +23,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..core.interfaces import Constraint
 from ..core.stats import tau_from_counts
 from ..errors import DFlashError
 
@@ -165,7 +166,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     endpoint: str = ""
     top_logprobs: int | None = None  # log-probabilities asked for (alternatives per token), or None
-    constraint: object | None = None  # a GrammarConstraint for structured output, or None
+    constraint: Constraint | None = None  # a grammar, a thinking budget (or both), or None
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:24])
     items: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
