@@ -273,3 +273,47 @@ def test_a_failing_row_fails_alone_with_its_own_error():
     assert (failure.status, failure.message) == (400, "grammar broke at commit 3")
     assert [t for e in events for t in e.tokens] == session.generate(PROMPTS[0], max_tokens=40).tokens
     assert [t for e in good_events for t in e.tokens] == session.generate(PROMPTS[2], max_tokens=25).tokens
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_a_reply_handed_over_after_a_pipelined_plain_step_is_not_prefilled_again(family, monkeypatch):
+    """A plain step queues the next one ahead; handing over with one in flight left a hybrid
+    target's caches a token past the reply, which its recurrent layers cannot trim (21 of 28
+    tokens were fed again). The handover now waits one event with nothing queued."""
+    from dflash2_mlx.core import batch_engine
+    from dflash2_mlx.session import Session
+
+    target = tiny_target(family)
+    spec = SimpleNamespace(name=f"tiny-{family}", target="/nowhere", drafter="none", defaults={}, notes=[])
+    session = Session(spec=spec, target=target, drafter=None, block_size=None)
+    adopted = []
+    start_run = batch_engine.start_run
+
+    def spy(target, drafter, ids, *args, prompt_len=None, **kw):
+        out = start_run(target, drafter, ids, *args, prompt_len=prompt_len, **kw)
+        if prompt_len is not None and len(ids) > prompt_len:  # a reply handed over
+            adopted.append((len(ids), out[1]))
+        return out
+
+    monkeypatch.setattr(batch_engine, "start_run", spy)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(session, capacity=8, max_batch=4)
+        worker.start()
+        first = Job(PROMPTS[0], SamplingParams(), 40, [], loop)
+        worker.submit(first)
+        stream = first.events()
+        head = [await stream.__anext__() for _ in range(4)]  # plain steps, each queuing the next
+        second = Job(PROMPTS[1], SamplingParams(), 12, [], loop)
+        worker.submit(second)
+        rest = [e async for e in stream]
+        other = await _drain(second)
+        worker.close()
+        return head + rest, other, second
+
+    events, other, second = asyncio.run(main())
+    assert [t for e in events for t in e.tokens] == session.generate(PROMPTS[0], max_tokens=40).tokens
+    assert [t for e in other for t in e.tokens] == session.generate(second.prompt_ids, max_tokens=12).tokens
+    [(n_ids, n_cached)] = adopted
+    assert n_cached == n_ids - 1  # only the reply's last token is fed again

@@ -228,6 +228,7 @@ class GenerationWorker:
         self._running: list[Job] = []
         self._solo_job = self._solo_cache = None  # the solo run's job and prompt cache
         self._solo_yielded = False
+        self._solo_hold = threading.Event()  # set: the solo run queues nothing ahead (a handover is coming)
         self._batch_policy = None  # the batch's width policy (`--block-size auto`), made with the first batch
         if max_batch > 1 and not self._target_batches():
             self.max_batch = 1
@@ -389,6 +390,10 @@ class GenerationWorker:
         job, cache = self._solo_job, self._solo_cache
         if job is None or not self._solo_yielded or not batchable(job) or not can_adopt(cache) or batch.full:
             return False
+        if not self._solo_hold.is_set():  # first let a step queued ahead land: its caches must end at the reply
+            self._solo_hold.set()
+            self._solo_yielded = False
+            return False
         solo.send(_HANDOFF)  # the engine stops at this event; its caches cover what was generated
         solo.close()
         batch.adopt(job, cache, job.emitted, job.sent_chars)
@@ -457,6 +462,7 @@ class GenerationWorker:
         else:  # the batch may adopt this reply: its caches must outlive the engine's run
             cache = self.session.prompt_cache() if self.max_batch > 1 else None
         self._solo_job, self._solo_cache, self._solo_yielded = job, cache, False
+        self._solo_hold = threading.Event()
         handed = False
         try:
             if self.session.lockstep is not None:  # the other ranks of a sharded target decode it too
@@ -466,7 +472,8 @@ class GenerationWorker:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
                                          top_logprobs=job.top_logprobs, constraint=job.constraint,
-                                         prefill_step_size=self.prefill_chunk, prompt_cache=cache)
+                                         prefill_step_size=self.prefill_chunk, prompt_cache=cache,
+                                         hold=self._solo_hold)
             try:
                 for event in events:
                     job.stats.observe(event)
