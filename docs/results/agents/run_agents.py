@@ -173,6 +173,7 @@ def main() -> None:
     ap.add_argument("--bin", default="/work/agents/node_modules/.bin", help="where `claude` and `codex` are")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `dflash2 serve` argument")
+    ap.add_argument("--block-size", default=None, help="`--block-size` for the servers that have a drafter")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     bin_dir, out = Path(args.bin), {"model": args.model, "runs": {}}
@@ -180,7 +181,8 @@ def main() -> None:
         work = Path(tempfile.mkdtemp(prefix="agents-"))
         (work / "notes.txt").write_text(NOTES)
         (work / "home").mkdir()
-        server = Server(args.model, drafter, work, args.serve_arg)
+        width = ["--block-size", args.block_size] if args.block_size and drafter != "none" else []
+        server = Server(args.model, drafter, work, [*args.serve_arg, *width])
         try:
             server.wait()
             turns = []
