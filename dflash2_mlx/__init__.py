@@ -13,7 +13,7 @@ from ._version import __version__
 
 # Lazy exports: importing the package (e.g. for `dflash2 --help`) must not load MLX/mlx-lm.
 _EXPORTS = {
-    "load_target": ".target", "Target": ".target", "load_drafter": ".drafter.load",
+    "load_target": ".target", "Target": ".target", "load_drafter": ".hub",
     "stream_generate": ".core.engine", "generate": ".core.engine", "GenerationEvent": ".core.engine",
     "GenerationResult": ".core.engine", "SamplingParams": ".core.sampling", "PromptCache": ".core.prompt_cache",
 }

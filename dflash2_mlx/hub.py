@@ -266,6 +266,15 @@ def untrained_dir(alias: str, config: dict) -> Path:
     return paths.models_cache() / f"untrained-{alias.lower()}-{digest}"
 
 
+def load_drafter(path_or_repo, target=None, **options):
+    """Load a drafter named as `--drafter` names one (a local directory, a shipped drafter name
+    or a Hugging Face repo id, resolved by `resolve_drafter`) and bind it to `target`; `options`
+    as `drafter.load.load_drafter` takes them (draft_bits, dtype, head_bits, draft_vocab)."""
+    from .drafter.load import load_drafter as load_dir
+
+    return load_dir(resolve_drafter(str(path_or_repo)), target, **options)
+
+
 def untrained_drafter(alias: str, config: dict) -> Path:
     """A random-initialised drafter for `config`, identical on every machine, cached once."""
     out = untrained_dir(alias, config)

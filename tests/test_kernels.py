@@ -16,7 +16,8 @@ from metal_emu import emu
 from reference import np_ops
 
 from dflash2_mlx import SamplingParams, generate
-from dflash2_mlx.drafter.selector import greedy_walk_ops, lattice_ops, sampled_walk_ops
+from dflash2_mlx.drafter.selector import greedy_walk_ops, lattice_ops, sampled_walk_ops, select
+from dflash2_mlx.errors import KernelUnavailableError
 from dflash2_mlx.kernels import selector as ksel
 
 from tiny import tiny_drafter, tiny_target
@@ -316,8 +317,11 @@ def test_unsupported_inputs_take_the_ops_path(emu_kernel):
     assert not ksel.fits(wide, g, a, b)
     assert not ksel.fits(c, g.astype(mx.float64), a, b)
     assert not ksel.fits(c, g, a, nn.Embedding(200, 16))
+    with pytest.raises(KernelUnavailableError, match=f"{ksel.MAX_K + 1} candidates"):
+        ksel.select_kernel(wide, mx.zeros(wide.shape), g, a, b, inputs["anchor"], 0.0, kernel=emu_kernel)
     before = emu_kernel.launches
-    idx, q = ksel.select_kernel(wide, mx.zeros(wide.shape), g, a, b, inputs["anchor"], 0.0, kernel=emu_kernel)
+    with ksel.routed(emu_kernel):  # the kernel counts as available; `select` still takes the ops path
+        idx, q = select(wide, mx.zeros(wide.shape), g, a, b, inputs["anchor"], 0.0)
     assert emu_kernel.launches == before and idx.shape == (1, 3) and q is None
 
 

@@ -169,8 +169,8 @@ def _open_pair(model, drafter, drafter_v1, draft_bits, progress: bool, draft_voc
     """Target plus drafters by kind: {"dflash2": (drafter, path), "dflash": (drafter, path)}."""
     from .. import hub
     from ..bench import drafter_kind
-    from ..drafter.load import load_drafter
     from ..errors import ConfigError
+    from ..hub import load_drafter
     from ..session import Session
 
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, progress=progress, draft_vocab=draft_vocab)

@@ -281,7 +281,7 @@ def fit(
     seed: Annotated[int, typer.Option("--seed")] = 0,
     resume: Annotated[bool, typer.Option("--resume/--no-resume", help="Continue from OUT/checkpoint.")] = True,
 ) -> None:
-    from ..drafter.load import load_drafter
+    from ..hub import load_drafter
     from ..train.dataset import FeatureDataset, tap_columns
     from ..train.init import new_config, new_drafter, upgrade_to_v2
     from ..train.loop import TrainConfig, Trainer
@@ -384,8 +384,8 @@ def eval_cmd(
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
 ) -> None:
     from .. import hub
-    from ..drafter.load import load_drafter
     from ..drafter.vocab import find_vocab_file
+    from ..hub import load_drafter
     from ..train.dataset import FeatureDataset, tap_columns
     from ..train.evaluate import simulate
     from ..train.model import FrozenParts

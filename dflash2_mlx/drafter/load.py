@@ -118,10 +118,10 @@ def build_drafter(config: DrafterConfig, weights: dict[str, mx.array], target=No
     return model
 
 
-def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype: str | None = None,
+def load_drafter(path, target=None, draft_bits: int | None = None, dtype: str | None = None,
                  head_bits: int | None = None, draft_vocab: int | None = None) -> Drafter:
-    """Load a DFlash / DFlash 2 drafter and bind it to `target`: a local directory, a shipped
-    drafter name or a Hugging Face repo id (resolved as `--drafter` is, by `hub.resolve_drafter`).
+    """Load the DFlash / DFlash 2 drafter in the local directory `path` and bind it to `target`
+    (`hub.load_drafter` takes a shipped name or a Hugging Face repo id too).
 
     Args:
         draft_bits: quantize the drafter to 4 or 8 bits after loading.
@@ -131,11 +131,11 @@ def load_drafter(path_or_repo, target=None, draft_bits: int | None = None, dtype
         draft_vocab: propose among the top N ids of the drafter's `proposal_vocab.json`
             (None: the file's default size when the file is there; 0: the full head).
     Raises:
-        ConfigError, WeightsError, IncompatibleDrafterError, ResolveError.
+        ConfigError, WeightsError, IncompatibleDrafterError.
     """
-    from ..hub import resolve_drafter
-
-    path = resolve_drafter(str(path_or_repo))
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"drafter directory {path} does not exist (hub.load_drafter resolves names and repo ids)")
     raw, weights = read_checkpoint(path)
     model = build_drafter(parse_config(raw), weights, target, draft_bits, dtype)
     model.path = str(path)

@@ -118,12 +118,12 @@ def select(candidates, unary, gate, pred_codebook, succ_codebook, anchor, temper
            uniforms: mx.array | None = None, use_kernel: bool | None = None):
     """Lattice + walk. Returns (indices [B, L], q [B, L, k] or None).
 
-    Dispatches to the fused Metal kernel on a Metal GPU unless `use_kernel` is False;
-    the MLX-ops twin runs everywhere else and gives the same results.
+    Dispatches to the fused Metal kernel on a Metal GPU for the inputs it takes, unless
+    `use_kernel` is False; the MLX-ops twin runs everywhere else and gives the same results.
     """
     from ..kernels import selector as kernel
 
-    if not isinstance(pred_codebook, nn.Module) and kernel.should_use(use_kernel):
+    if kernel.should_use(use_kernel) and kernel.fits(candidates, gate, pred_codebook, succ_codebook):
         return kernel.select_kernel(candidates, unary, gate, pred_codebook, succ_codebook, anchor,
                                     temperature, uniforms)
     lattice = lattice_ops(candidates, unary, gate, pred_codebook, succ_codebook, anchor)

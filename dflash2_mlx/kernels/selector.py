@@ -204,12 +204,11 @@ def launch(job: Launch, kernel=None) -> list[mx.array]:
 def select_kernel(candidates, unary, gate, pred_codebook, succ_codebook, anchor, temperature: float,
                   uniforms: mx.array | None = None, kernel=None):
     """Same contract as the ops path of `drafter.selector.select`:
-    (indices [B, L] int32, q [B, L, K] float32 or None when temperature <= 0)."""
+    (indices [B, L] int32, q [B, L, K] float32 or None when temperature <= 0). Inputs the kernel
+    does not take (`fits`) are refused; `drafter.selector.select` sends those to the ops twin."""
     if not fits(candidates, gate, pred_codebook, succ_codebook):
-        from ..drafter.selector import select
-
-        return select(candidates, unary, gate, pred_codebook, succ_codebook, anchor, temperature, uniforms,
-                      use_kernel=False)
+        raise KernelUnavailableError(f"the selector kernel does not fit these inputs: {candidates.shape[-1]} "
+                                     f"candidates (at most {MAX_K}), gate {gate.dtype}, dense float codebooks needed")
     job = plan(candidates, unary, gate, pred_codebook, succ_codebook, anchor, temperature, uniforms)
     _, path, q = launch(job, kernel)
     return path, (q if temperature > 0 else None)

@@ -11,9 +11,16 @@ runs inside the thinking span as anywhere else.
 
 from __future__ import annotations
 
-from .tools import _partial_suffix
-
 REASONING, CONTENT = "reasoning", "content"
+
+
+def partial_marker(text: str, marker: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `marker`: what a
+    stream holds back in case the marker completes in the next piece."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
 
 
 def _last(tokens: list[int], pattern) -> int:
@@ -50,7 +57,7 @@ class ReasoningSplit:
             marker = self.end if self.inside else self.start
             at = self.pending.find(marker)
             if at < 0:
-                keep = _partial_suffix(self.pending, marker)
+                keep = partial_marker(self.pending, marker)
                 self._emit(out, self.pending[: len(self.pending) - keep])
                 self.pending = self.pending[len(self.pending) - keep :]
                 return out

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import APIError
+from .reasoning import partial_marker
 
 MAX_TOOLS = 128
 
@@ -168,7 +169,7 @@ class ToolCallStream:
             if not self.inside:
                 at = self.pending.find(self.start)
                 if at < 0:
-                    keep = _partial_suffix(self.pending, self.start)
+                    keep = partial_marker(self.pending, self.start)
                     _text(out, self.pending[: len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep :]
                     break
@@ -177,7 +178,7 @@ class ToolCallStream:
             else:
                 at = self.pending.find(self.end) if self.end else -1
                 if at < 0:
-                    out += self._progress(self.pending[: len(self.pending) - _partial_suffix(self.pending, self.end)])
+                    out += self._progress(self.pending[: len(self.pending) - partial_marker(self.pending, self.end)])
                     break
                 out += self._close(self.pending[:at], self.start + self.pending[:at] + self.end)
                 self.pending, self.inside = self.pending[at + len(self.end) :], False
@@ -397,11 +398,3 @@ def _split(items: list) -> tuple[str, list]:
     """(the text of `items`, the calls they finish)."""
     return ("".join(i for i in items if isinstance(i, str)),
             [i.call for i in items if isinstance(i, CallEvent) and i.kind == "end"])
-
-
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
