@@ -42,12 +42,16 @@ stage_ab() {
       --out runs/ab --json docs/results/drafter-training/ab_round1.json
 }
 
-# 3. The long run: warm-started from the shipped v2 drafter (its taps), trained at block 4 (A/B
-#    round 1), WSD at lr 1e-3 with a long stable phase; STEPS sets where the decay ends, and a
-#    resume with a smaller STEPS starts the decay early (the rate before it does not depend on STEPS).
+# 3. The long run: warm-started from a drafter (WARM, default the shipped one: v3 started from v2,
+#    v4 from v3), trained at block 4 (A/B round 1), WSD at lr 1e-3 with a long stable phase; STEPS
+#    sets where the decay ends (the last 20 %), and a resume with a smaller STEPS starts the decay
+#    early (the rate before it does not depend on STEPS).
+#    v3: STEPS=4450 (resumed from 20000 at step 2,250), SHARDS='onp-0000[0-3]-*', WARM = v2.
+#    v4: STEPS=3125 (resumed from 3800 at the step-2,500 checkpoint), SHARDS='onp-0000[0-5]-*',
+#        OUT=runs/v4-long, WARM = v3 (`git archive 37b5f81 models/smollm2-135m-dflash2 | tar -x -C /tmp/v3`).
 stage_long() {
   dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
-      --warm-start models/smollm2-135m-dflash2 --block-size 4 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd \
+      --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd \
       --train-vocab models/smollm2-135m-dflash2/proposal_vocab.json --train-vocab-size 8192 --taps 1,8,14,20,27 \
       --steps "${STEPS:-20000}" --eval-every 1000 --save-every 250 --eval-blocks 4,8 --seed 0 \
       --out "${OUT:-runs/v3-long}" --shards "${SHARDS:-onp-0000[0-3]-*}" --resume
