@@ -100,7 +100,7 @@ def claude_code(server: Server, model: str, bin_dir: Path, work: Path, timeout: 
         result = _last_json(out)
         turns.append({"client": "claude-code", "turn": i + 1, "exit": code, "wall_s": round(wall, 1),
                       "answer": (result or {}).get("result"), "requests": server.lines()[before:],
-                      "raw_tail": out[-600:] if code else None})
+                      "raw_tail": out[-1500:] if code or result is None else None})
     return turns
 
 
@@ -116,7 +116,7 @@ def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float)
     before = len(server.lines())
     code, out, wall = run([str(bin_dir / "codex"), "exec", "--skip-git-repo-check", ASK], work, env, timeout)
     return [{"client": "codex", "turn": 1, "exit": code, "wall_s": round(wall, 1), "answer": out.strip()[-300:],
-             "requests": server.lines()[before:]}]
+             "requests": server.lines()[before:], "raw_tail": out[-1500:] if code else None}]
 
 
 def agents_sdk(server: Server, model: str, work: Path) -> list[dict]:
@@ -135,7 +135,12 @@ def agents_sdk(server: Server, model: str, work: Path) -> list[dict]:
                   model=OpenAIResponsesModel(model=model, openai_client=client))
     before = len(server.lines())
     t0 = time.perf_counter()
-    result = Runner.run_sync(agent, ASK, max_turns=4)
+    try:
+        result = Runner.run_sync(agent, ASK, max_turns=4)
+    except Exception as e:  # noqa: BLE001 - reported in the table as a failed run, not a crash of the driver
+        return [{"client": "agents-sdk", "turn": 1, "exit": 1, "wall_s": round(time.perf_counter() - t0, 1),
+                 "answer": None, "requests": server.lines()[before:], "tool_calls": 0,
+                 "raw_tail": f"{type(e).__name__}: {e}"[-1500:]}]
     return [{"client": "agents-sdk", "turn": 1, "exit": 0, "wall_s": round(time.perf_counter() - t0, 1),
              "answer": str(result.final_output), "requests": server.lines()[before:],
              "tool_calls": sum(1 for item in result.new_items if item.type == "tool_call_item")}]
@@ -153,7 +158,7 @@ def _last_json(text: str) -> dict | None:
 
 
 def summarize(turn: dict) -> dict:
-    reqs = turn["requests"]
+    reqs = [r for r in turn["requests"] if r["prompt_n"] > 0]  # a request cancelled before its prefill has none
     prompt = sum(r["prompt_n"] for r in reqs)
     cached = sum(r["cache_n"] for r in reqs)
     decode = [r["predicted_per_second"] for r in reqs if r["predicted_n"] > 1]
@@ -176,7 +181,7 @@ def main() -> None:
     ap.add_argument("--block-size", default=None, help="`--block-size` for the servers that have a drafter")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    bin_dir, out = Path(args.bin), {"model": args.model, "runs": {}}
+    bin_dir, out = Path(args.bin).resolve(), {"model": args.model, "runs": {}}
     for drafter in args.drafters.split(","):
         work = Path(tempfile.mkdtemp(prefix="agents-"))
         (work / "notes.txt").write_text(NOTES)
@@ -197,6 +202,8 @@ def main() -> None:
         for t in turns:
             t["summary"] = summarize(t)
         out["runs"][drafter] = turns
+        if args.json:  # after each server, so a later failure keeps what ran
+            Path(args.json).write_text(json.dumps(out, indent=1))
         shutil.rmtree(work / "home", ignore_errors=True)
     print("| drafter | client | turn | exit | requests | prompt tokens | cached share | TTFT s | decode tok/s | τ | answer |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
