@@ -114,6 +114,15 @@ def _validated(grammar: str, what: str) -> str:
     return grammar
 
 
+def masked(rows: mx.array, allowed: np.ndarray) -> mx.array:
+    """`rows [R, V]` with the tokens `allowed [>= R, V']` forbids set to -inf (a head padded past
+    the tokenizer's vocab keeps its extra columns)."""
+    allowed = mx.array(allowed[: rows.shape[0]])
+    if rows.shape[-1] > allowed.shape[-1]:
+        allowed = mx.pad(allowed, [(0, 0), (0, rows.shape[-1] - allowed.shape[-1])])
+    return mx.where(allowed, rows, mx.array(-mx.inf, dtype=rows.dtype))
+
+
 class GrammarConstraint:
     """Masks for the target's rows along a draft path; `commit` the tokens a step emits."""
 
@@ -194,10 +203,7 @@ class GrammarConstraint:
     def apply(self, rows: mx.array, drafts: list[int], allowed: np.ndarray | None = None) -> mx.array:
         """`rows [R, V]` with the tokens the grammar forbids at each row set to -inf (`allowed`:
         the masks `walk` already computed for these drafts, else they are computed here)."""
-        allowed = mx.array((self.masks(drafts) if allowed is None else allowed)[: rows.shape[0]])
-        if rows.shape[-1] > allowed.shape[-1]:  # a head padded past the tokenizer's vocab
-            allowed = mx.pad(allowed, [(0, 0), (0, rows.shape[-1] - allowed.shape[-1])])
-        return mx.where(allowed, rows, mx.array(-mx.inf, dtype=rows.dtype))
+        return masked(rows, self.masks(drafts) if allowed is None else allowed)
 
     def commit(self, tokens: list[int]) -> None:
         t0 = time.perf_counter()

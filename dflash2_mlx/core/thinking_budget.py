@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 import mlx.core as mx
 import numpy as np
 
+from .constraint import masked
 from .interfaces import Constraint
 
 
@@ -108,10 +109,7 @@ class ThinkingBudget:
 
     def apply(self, rows: mx.array, drafts: list[int], allowed: np.ndarray | None = None) -> mx.array:
         """`rows [R, V]` with the tokens forbidden at each row set to -inf."""
-        allowed = mx.array((self.masks(drafts) if allowed is None else allowed)[: rows.shape[0]])
-        if rows.shape[-1] > allowed.shape[-1]:  # a head padded past the tokenizer's vocab
-            allowed = mx.pad(allowed, [(0, 0), (0, rows.shape[-1] - allowed.shape[-1])])
-        return mx.where(allowed, rows, mx.array(-mx.inf, dtype=rows.dtype))
+        return masked(rows, self.masks(drafts) if allowed is None else allowed)
 
     def commit(self, tokens: list[int]) -> None:
         for i, token in enumerate(tokens):
