@@ -253,6 +253,21 @@ def test_batch_costs_and_the_width_policy_by_load():
         policy.observe(1, SimpleNamespace(width=4, n_drafted=3, n_accepted=0, draft_s=0.01, verify_s=0.07),
                        [(3, 0)])
     assert policy.next_width(4, 1) == 1
+    reached = policy.acceptance.reached[0]
+    policy.begin()  # a new reply: the shared evidence fades once, each batch size probes next
+    assert policy.acceptance.reached[0] == pytest.approx(reached * 0.5)
+    assert all(p.probe_next is False for p in policy.by_batch.values())  # probe_every=0: never
+
+
+def test_a_new_row_begins_the_batch_policy_and_a_handed_over_reply_does_not():
+    target = tiny_target("llama")
+    begun = []
+    policy = BatchWidthPolicy(Costs((0.05, 0.06, 0.07, 0.08), (0.0, 0.01, 0.01, 0.01)))
+    policy.begin = lambda: begun.append(1)
+    batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4), policy=policy)
+    batch.add(PROMPTS[0], 8)
+    batch.add(PROMPTS[1], 8, reply=[5, 6], sent=0)
+    assert begun == [1]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -160,6 +160,35 @@ def test_probes_bring_speculation_back_when_drafts_improve():
     assert sum(w >= 4 for w in policy.trace.widths[-100:]) >= 95
 
 
+def test_a_new_reply_probes_at_once_instead_of_inheriting_the_last_ones_probe_gap():
+    """The bench's MBPP replies decoded plainly end to end after a HumanEval reply with poor
+    drafts had pushed the probe gap up; a new reply's text is new evidence."""
+    costs = linear_costs(8, 0.15, 0.05)
+    policy, twin = (AdaptiveBlockPolicy(costs, prior=0.8, probe_every=32) for _ in range(2))
+    for p in (policy, twin):
+        simulate(p, [0.15] * 7, costs, 400, 8, seed=5)
+        assert p.current == 1 and p.probe_gap >= 64
+    reached = policy.acceptance.reached[0]
+    policy.begin()
+    assert policy.acceptance.reached[0] == pytest.approx(reached * bp.REPLY_FADE)
+    assert policy.probe_gap == 32
+    simulate(policy, [0.95] * 7, costs, 40, 8, seed=6)  # the next reply's text is predictable
+    simulate(twin, [0.95] * 7, costs, 40, 8, seed=6)
+    assert policy.trace.widths[400] > 1  # its first step probes
+    assert sum(w >= 4 for w in policy.trace.widths[400:]) >= 30
+    assert set(twin.trace.widths[400:]) == {1}  # without begin: still waiting for the gap
+
+
+def test_begin_never_probes_where_probing_is_off_or_cannot_win():
+    off = AdaptiveBlockPolicy(linear_costs(8, 0.15, 0.05), prior=0.1, probe_every=0)
+    off.begin()
+    assert off.next_width(8) == 1 and off.trace.n_probes == 0
+    costs = linear_costs(8, 1.0, 0.2)  # even perfect drafts lose
+    never = AdaptiveBlockPolicy(costs, prior=0.99)
+    never.begin()
+    assert never.next_width(8) == 1 and never.trace.n_probes == 0
+
+
 def test_policy_learns_overheads_it_was_not_calibrated_for():
     costs = linear_costs(8, 0.05, 0.05)
     truth = [0.6] * 7

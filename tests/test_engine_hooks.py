@@ -74,6 +74,9 @@ class ScriptedWidths:
     def __init__(self, pattern):
         self.pattern, self.i, self.seen = pattern, 0, []
 
+    def begin(self):
+        self.seen.append("begin")
+
     def next_width(self, max_width):
         w = self.pattern[self.i % len(self.pattern)]
         self.i += 1
@@ -81,6 +84,16 @@ class ScriptedWidths:
 
     def observe(self, cycle):
         self.seen.append(cycle.width)
+
+
+def test_each_reply_begins_the_policy_once_before_its_first_width():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    policy = ScriptedWidths([1, 3])
+    for _ in range(2):
+        generate(target, PROMPT, drafter=drafter, max_tokens=12, block_size=4, block_policy=policy)
+    begins = [i for i, x in enumerate(policy.seen) if x == "begin"]
+    assert len(begins) == 2 and begins[0] == 0 and policy.seen[begins[1] - 1] != "begin"
 
 
 def test_pipelined_plain_steps_between_speculative_ones_equal_the_twin():

@@ -129,6 +129,8 @@ class SpeculativeBatch:
         stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
         if reply:  # a grammar, if any, has already advanced over the reply
             stopper.prime(list(reply), sent)
+        elif self.policy is not None:
+            self.policy.begin()
         row = _Row(next(self._ids), run, ids, n_prompt, stopper, prompt_cache, mark, n_cached, time.perf_counter())
         self.joining.append(row)
         return row.id

@@ -34,6 +34,9 @@ DEFAULT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
 DEFAULT_PROBE_EVERY = 32  # plain steps before the first speculative probe while speculation is off
 MAX_PROBE_EVERY = 1024  # failed probes double the gap up to this
 DEFAULT_COST_EMA = 0.1
+# Acceptance belongs to the text: a new reply keeps half the evidence and, when decoding plainly,
+# probes at once, so one reply's poor drafts do not keep speculation off in the next ones.
+REPLY_FADE = 0.5
 CALIBRATION_SCHEMA = 1
 
 
@@ -187,10 +190,13 @@ class AcceptanceEstimate:
         self.accepted = [0.0] * len(self.accepted)
         self.reached = [0.0] * len(self.reached)
 
+    def fade(self, factor: float) -> None:
+        """Weigh the evidence so far by `factor` (the prior gains in proportion)."""
+        self.accepted = [a * factor for a in self.accepted]
+        self.reached = [r * factor for r in self.reached]
+
     def observe(self, n_drafted: int, n_accepted: int) -> None:
-        for i in range(len(self.accepted)):
-            self.accepted[i] *= self.decay
-            self.reached[i] *= self.decay
+        self.fade(self.decay)
         for i in range(min(n_drafted, len(self.accepted))):
             if n_accepted >= i:  # drafts before position i + 1 were all accepted
                 self.reached[i] += 1.0
@@ -243,7 +249,15 @@ class AdaptiveBlockPolicy:
         self.plain_run = 0
         self.probe_gap = probe_every
         self.probing = False
+        self.probe_next = False  # a new reply starting while decoding plainly: probe at once
         self.trace = PolicyTrace()
+
+    def begin(self) -> None:
+        """A new reply starts: its text is new, so the acceptance evidence counts half and, if
+        decoding plainly, the first step probes (with the probe gap back at its start)."""
+        self.acceptance.fade(REPLY_FADE)
+        self.probe_gap = self.probe_every
+        self.probe_next = bool(self.probe_every)
 
     def rates(self, max_width: int) -> list[float]:
         return expected_rates(self.costs, self.acceptance.rates(), max_width, self.plain_overhead_s,
@@ -260,8 +274,9 @@ class AdaptiveBlockPolicy:
     def next_width(self, max_width: int) -> int:
         picked = self.choice(max_width)
         width = picked.width
-        self.probing = width == 1 and self.probe_gap and self.plain_run + 1 >= self.probe_gap \
-            and max_width >= 2 and self.can_ever_win(max_width)
+        due = self.probe_next or (self.probe_gap and self.plain_run + 1 >= self.probe_gap)
+        self.probe_next = False
+        self.probing = width == 1 and due and max_width >= 2 and self.can_ever_win(max_width)
         if self.probing:
             rates = self.rates(max_width)
             width = max(range(2, len(rates) + 1), key=lambda w: (rates[w - 1], -w))
@@ -356,6 +371,14 @@ class BatchWidthPolicy:
         self.by_batch[batch] = p
         return p
 
+    def begin(self) -> None:
+        """A new reply joins the batch: see `AdaptiveBlockPolicy.begin` (the shared acceptance
+        evidence fades once)."""
+        for p in self.by_batch.values():
+            p.probe_gap, p.probe_next = p.probe_every, bool(p.probe_every)
+        if self.acceptance is not None:
+            self.acceptance.fade(REPLY_FADE)
+
     def next_width(self, max_width: int, batch: int) -> int:
         p = self.policy(batch)
         if not p.spec_seen:  # a speculative cycle costs at least a plain one's host work
@@ -372,6 +395,9 @@ class FixedBlockPolicy:
 
     def __init__(self, width: int):
         self.width = width
+
+    def begin(self) -> None:
+        pass
 
     def next_width(self, max_width: int) -> int:
         return min(self.width, max_width)

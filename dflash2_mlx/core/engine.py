@@ -569,6 +569,8 @@ def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, w
         kept, finish = stopper.feed([first])
         run.history.append(first)
         finish = _commit(run, [first], finish)
+        if block_policy is not None:
+            block_policy.begin()
         try:
             yield event(kept, None, finish, first_lp)
             yield from _decode(run, stopper, finish, event, max_tokens, width, block_policy, pipelined, hold)

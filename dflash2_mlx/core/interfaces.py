@@ -57,6 +57,8 @@ class DraftModel(Protocol):
 class WidthPolicy(Protocol):
     """Chooses each single-stream cycle's verify width (1: a plain step) and learns from it."""
 
+    def begin(self) -> None: ...  # a new reply starts (its text is new evidence)
+
     def next_width(self, max_width: int) -> int: ...
 
     def observe(self, cycle) -> None: ...  # an engine.CycleStats
@@ -65,6 +67,8 @@ class WidthPolicy(Protocol):
 @runtime_checkable
 class BatchPolicy(Protocol):
     """Chooses a batch cycle's width from the batch size, and learns from every row's cycle."""
+
+    def begin(self) -> None: ...  # a new reply joins the batch
 
     def next_width(self, max_width: int, batch: int) -> int: ...
 
