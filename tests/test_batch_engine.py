@@ -270,6 +270,27 @@ def test_a_new_row_begins_the_batch_policy_and_a_handed_over_reply_does_not():
     assert begun == [1]
 
 
+def test_a_reply_handed_over_is_fed_before_a_long_prompt_that_joined_first():
+    """Seen under load in the server: the solo reply moved in just after a 1,500-token prompt
+    had joined, and waited for that prompt's whole prefill (its stream stalled ~24 steps)."""
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    prompt = PROMPTS[0]
+    reply = generate(target, prompt, 6, drafter=drafter).tokens[:3]
+    batch = SpeculativeBatch(target, drafter, prefill_step_size=64)
+    long_id = batch.add([1] + [(5 * j) % 90 + 3 for j in range(1500)], 4)
+    reply_id = batch.add(prompt, 12, reply=reply, sent=0)
+    out = {reply_id: list(reply), long_id: []}
+    first = batch.step()
+    assert {rid for rid, _ in first} == {reply_id}
+    for rid, ev in first:
+        out[rid] += ev.tokens
+    while len(batch):
+        for rid, ev in batch.step():
+            out[rid] += ev.tokens
+    assert out[reply_id] == generate(target, prompt, 12, drafter=drafter).tokens
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grammar_rows_equal_their_constrained_single_stream_output(family):
     pytest.importorskip("llguidance")

@@ -132,7 +132,10 @@ class SpeculativeBatch:
         elif self.policy is not None:
             self.policy.begin()
         row = _Row(next(self._ids), run, ids, n_prompt, stopper, prompt_cache, mark, n_cached, time.perf_counter())
-        self.joining.append(row)
+        if reply:  # a stream in progress (about one token to feed) never waits behind a new prompt
+            self.joining.appendleft(row)
+        else:
+            self.joining.append(row)
         return row.id
 
     def remove(self, row_id: int) -> None:
