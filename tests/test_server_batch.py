@@ -130,7 +130,7 @@ def test_32_concurrent_streaming_clients_three_rounds_no_errors(tmp_path):
                 assert replies == [alone[i % 7] for i in range(32)]
         counts = metrics(server.url)
         assert "Traceback" not in server.logs()
-    assert counts["dflash2_batch_size_max"] == 8 and counts['dflash2_jobs_total{outcome="failed"}'] == 0
+    assert counts["dflash2_batch_size_max"] == 32 and counts['dflash2_jobs_total{outcome="failed"}'] == 0
     assert counts['dflash2_jobs_total{outcome="completed"}'] == 7 + 96
 
 

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from ..server.config import DEFAULT_MAX_BATCH
 from .common import (
     BlockSizeOpt,
     DraftBitsOpt,
@@ -118,7 +119,13 @@ def serve(
                                                 "batch (per-row drafts, one batched verify; with "
                                                 "--block-size auto the width follows the load, down to "
                                                 "plain batched decoding) and the first moves into it "
-                                                "(1: strictly one at a time).")] = 8,
+                                                "(1: strictly one at a time). --batch-memory bounds "
+                                                "them too.")] = DEFAULT_MAX_BATCH,
+    batch_memory: Annotated[str, typer.Option("--batch-memory", metavar="SIZE",
+                                              help="Memory for the K/V of the requests decoding together "
+                                                   "(e.g. 8GiB): one whose prompt + max_tokens would not "
+                                                   "fit waits for others to end. 'auto': half the device's "
+                                                   "memory less the weights and --prompt-cache-bytes.")] = "auto",
     prompt_cache_bytes: Annotated[str, typer.Option("--prompt-cache-bytes", metavar="SIZE",
                                                     help="Memory for the prefix cache: the caches of recent "
                                                          "conversations, so a request resending a history "
@@ -148,6 +155,7 @@ def serve(
                           max_connections=max_connections, read_timeout=read_timeout, prefill_chunk=prefill_chunk,
                           prompt_cache_bytes=parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes"),
                           max_batch=max_batch, request_log=request_log,
+                          batch_memory=None if batch_memory == "auto" else parse_bytes(batch_memory, "--batch-memory"),
                           allowed_hosts=tuple(allowed_host or ()), cors_origins=tuple(cors_origin or ()))
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
         typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "

@@ -18,7 +18,7 @@ DEFAULT_MAX_CONNECTIONS = 256
 DEFAULT_READ_TIMEOUT = 15.0
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
-DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_BATCH = 32  # rows, as mlx_lm.server's --decode-concurrency
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -50,6 +50,9 @@ class ServerConfig:
         prompt_cache_bytes: bytes of reusable prompt caches kept between requests (the prefix
             cache; 0 turns it off).
         max_batch: most requests decoding together while another runs solo (1: one at a time).
+        batch_memory: bytes for the K/V of the requests decoding together; a request whose prompt
+            + max_tokens would not fit waits for others to end. None: half the device's memory
+            less the weights and the prefix cache (`capacity.auto_budget`).
         request_log: a JSON-lines file that gets one line per finished request (endpoint, prompt
             and cached tokens, time to first token, decode rate, tokens per cycle), or None.
     """
@@ -72,6 +75,7 @@ class ServerConfig:
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     max_batch: int = DEFAULT_MAX_BATCH
+    batch_memory: int | None = None
     request_log: str | None = None
 
     def __post_init__(self):
@@ -99,6 +103,8 @@ class ServerConfig:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.max_batch < 1:
             raise ConfigError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.batch_memory is not None and self.batch_memory <= 0:
+            raise ConfigError(f"--batch-memory must be > 0, got {self.batch_memory}")
         if self.prompt_cache_bytes < 0:
             raise ConfigError(f"--prompt-cache-bytes must be >= 0, got {self.prompt_cache_bytes}")
         for origin in self.cors_origins:

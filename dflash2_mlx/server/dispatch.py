@@ -92,6 +92,18 @@ def model_facts(model) -> tuple[int, str]:
     return n_params, (f"Q{bits[0]}" if bits else "none")
 
 
+def kv_budget(session, config: ServerConfig):
+    """The K/V budget that bounds the batch by memory (None when requests run one at a time)."""
+    if config.max_batch <= 1:
+        return None
+    from .capacity import KVBudget, auto_budget, measure_kv_cost
+
+    budget = config.batch_memory or auto_budget(session, config.prompt_cache_bytes)
+    budget = KVBudget(budget, measure_kv_cost(session))
+    session.notes.append(f"batch: up to {config.max_batch} requests, {budget.describe()}")
+    return budget
+
+
 def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     name = served_name(session)
     n_params, quantization = model_facts(session.target.model)
@@ -100,7 +112,7 @@ def make_state(session, config: ServerConfig, extra_aliases=()) -> ServerState:
     metrics = Metrics({"model": name, "drafter": public_name(drafter) if drafter else "none", "version": __version__},
                       prompt_caches=pool, request_log=config.request_log)
     worker = GenerationWorker(session, config.max_concurrency, metrics, config.prefill_chunk,
-                              pool if pool.enabled else None, config.max_batch)
+                              pool if pool.enabled else None, config.max_batch, kv_budget(session, config))
     return ServerState(
         session=session, config=config, worker=worker,
         metrics=metrics, model_name=name, aliases=frozenset({name, *extra_aliases}),

@@ -213,11 +213,14 @@ class GenerationWorker:
         metrics: a `Metrics` told about each job's start and end (optional).
         prompt_caches: a `PromptCachePool` (the prefix cache), or None for cold prompts.
         max_batch: most jobs decoding together in the batch (1: one job at a time).
+        kv_budget: a `capacity.KVBudget`: a job is admitted only while the context every admitted
+            job may reach fits it (None: rows alone bound the batch).
     """
 
     def __init__(self, session, capacity: int, metrics=None, prefill_chunk: int = 512, prompt_caches=None,
-                 max_batch: int = 1):
+                 max_batch: int = 1, kv_budget=None):
         self.session = session
+        self.kv_budget = kv_budget
         self.prompt_caches = prompt_caches
         self.max_batch = max_batch
         self.capacity = capacity
@@ -341,6 +344,9 @@ class GenerationWorker:
                 self._cond.wait()
             while self._waiting and not self._stopped:
                 job = self._waiting[0]
+                reach = len(job.prompt_ids) + job.max_tokens
+                if self.kv_budget is not None and not self.kv_budget.fits(reach):
+                    break  # its K/V would not fit beside the running jobs': it waits for one to end
                 room = self.max_batch > 1 and batchable(job) and n_batch + len(joining) < self.max_batch
                 # while a batch runs, newcomers join it: their prompts are prefilled in chunks between
                 # its steps, where the solo slot would prefill a whole prompt with the batch stopped
@@ -351,6 +357,8 @@ class GenerationWorker:
                 else:
                     break  # the head waits, and everything behind it: arrival order is kept
                 self._running.append(self._waiting.popleft())
+                if self.kv_budget is not None:
+                    self.kv_budget.hold(id(job), reach)
         return solo, joining
 
     def _loop(self) -> None:
@@ -438,6 +446,8 @@ class GenerationWorker:
         with self._cond:
             if job in self._running:
                 self._running.remove(job)
+            if self.kv_budget is not None:
+                self.kv_budget.release(id(job))
             self._cond.notify_all()
         if self.metrics is not None:
             self.metrics.job_ended(job)
