@@ -45,7 +45,7 @@ def prompts(n: int) -> list[str]:
 
 def one(client, model, text, max_tokens) -> dict:
     t0 = time.perf_counter()
-    n, usage = 0, None
+    n, usage, ttft = 0, None, None
     stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": text}],
                                             max_tokens=max_tokens, temperature=0.0, stream=True,
                                             stream_options={"include_usage": True})
@@ -54,7 +54,9 @@ def one(client, model, text, max_tokens) -> dict:
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].delta.content:
             n += 1
-    return {"latency_s": time.perf_counter() - t0, "tokens": usage.completion_tokens if usage else n}
+            ttft = time.perf_counter() - t0 if ttft is None else ttft
+    return {"latency_s": time.perf_counter() - t0, "ttft_s": ttft,
+            "tokens": usage.completion_tokens if usage else n}
 
 
 def round_(client, model, texts, max_tokens) -> dict:
@@ -64,13 +66,21 @@ def round_(client, model, texts, max_tokens) -> dict:
     wall = time.perf_counter() - t0
     tokens = sum(d["tokens"] for d in done)
     return {"concurrency": len(texts), "wall_s": wall, "tokens": tokens, "aggregate_tps": tokens / wall,
-            "p50_latency_s": statistics.median(d["latency_s"] for d in done)}
+            "p50_latency_s": statistics.median(d["latency_s"] for d in done),
+            "p95_ttft_s": p95([d["ttft_s"] for d in done if d["ttft_s"] is not None])}
+
+
+def p95(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(0.95 * (len(values) - 1)))] if values else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=None, help="ours; default: the server's own")
+    ap.add_argument("--also-max-batch", type=int, default=None,
+                    help="a third server: ours at this --max-batch (e.g. 8, the old default)")
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrencies, e.g. 1,2,4")
     ap.add_argument("--repeats", type=int, default=1, help="rounds per level (each reported)")
     ap.add_argument("--json", default=None)
@@ -83,8 +93,11 @@ def main() -> None:
 
     spec = hub.resolve(None, None)
     env = blas_env()
-    servers = {"dflash2 serve": [str(BIN / "dflash2"), "serve", "--max-batch", str(args.max_batch)],
+    ours = [str(BIN / "dflash2"), "serve"]
+    servers = {"dflash2 serve": ours + ([] if args.max_batch is None else ["--max-batch", str(args.max_batch)]),
                "mlx_lm.server": [str(BIN / "python"), "-m", "mlx_lm.server", "--model", str(spec.target)]}
+    if args.also_max_batch is not None:
+        servers[f"dflash2 --max-batch {args.also_max_batch}"] = ours + ["--max-batch", str(args.also_max_batch)]
     levels = [int(x) for x in args.levels.split(",")]
     # Every round gets prompts no earlier round sent: both servers keep prompt caches, and a
     # repeated prompt would measure those instead of batching.
@@ -100,19 +113,24 @@ def main() -> None:
                 for name in servers:
                     r = round_(clients[name], models[name], batch, args.max_tokens)
                     rows[name].append(r)
-                    print(f"{name:14s} C={c:2d} aggregate {r['aggregate_tps']:6.1f} tok/s  p50 latency "
-                          f"{r['p50_latency_s']:6.2f} s", flush=True)
+                    print(f"{name:24s} C={c:2d} aggregate {r['aggregate_tps']:6.1f} tok/s  p50 latency "
+                          f"{r['p50_latency_s']:6.2f} s  p95 TTFT {r['p95_ttft_s']:6.2f} s", flush=True)
     report(rows, args)
 
 
 def report(rows: dict, args) -> None:
-    ours, ref = rows["dflash2 serve"], rows["mlx_lm.server"]
-    print(f"\n{'C':>3} {'dflash2 tok/s':>13} {'mlx_lm tok/s':>12} {'ratio':>6} {'dflash2 p50':>11} "
-          f"{'mlx_lm p50':>10} {'p50 ratio':>9}")
-    for o, r in zip(ours, ref):
-        print(f"{o['concurrency']:>3} {o['aggregate_tps']:>13.1f} {r['aggregate_tps']:>12.1f} "
-              f"{o['aggregate_tps'] / r['aggregate_tps']:>6.2f} {o['p50_latency_s']:>10.2f}s "
-              f"{r['p50_latency_s']:>9.2f}s {o['p50_latency_s'] / r['p50_latency_s']:>9.2f}")
+    ref = rows["mlx_lm.server"]
+    for name, ours in rows.items():
+        if name == "mlx_lm.server":
+            continue
+        print(f"\n{name} against mlx_lm.server")
+        print(f"{'C':>3} {'ours tok/s':>10} {'mlx_lm tok/s':>12} {'ratio':>6} {'ours p50':>9} {'mlx_lm p50':>10} "
+              f"{'p50 ratio':>9} {'ours p95 TTFT':>13} {'mlx_lm p95 TTFT':>15}")
+        for o, r in zip(ours, ref):
+            print(f"{o['concurrency']:>3} {o['aggregate_tps']:>10.1f} {r['aggregate_tps']:>12.1f} "
+                  f"{o['aggregate_tps'] / r['aggregate_tps']:>6.2f} {o['p50_latency_s']:>8.2f}s "
+                  f"{r['p50_latency_s']:>9.2f}s {o['p50_latency_s'] / r['p50_latency_s']:>9.2f} "
+                  f"{o['p95_ttft_s']:>12.2f}s {r['p95_ttft_s']:>14.2f}s")
     if args.json:
         Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "max_batch": args.max_batch,
                                                "rows": rows}, indent=1))
