@@ -104,7 +104,7 @@ def test_serve_refuses_quantized_kv_with_batching_and_serves_it_alone(tmp_path):
     spec = SimpleNamespace(name="tiny", target="/nowhere/tiny", drafter="/nowhere/drafter", defaults={}, notes=[])
     session = Session(spec=spec, target=target, drafter=tiny_drafter(target, block_size=4), block_size=None,
                       kv_bits=8, kv_group_size=32)
-    with pytest.raises(ConfigError, match="--kv-bits 8 needs --max-batch 1 .* got --max-batch 8"):
+    with pytest.raises(ConfigError, match="--kv-bits 8 needs --max-batch 1 .* got --max-batch 32"):
         create_app(session, ServerConfig())
     assert create_app(session, ServerConfig(max_batch=1)) is not None
 
