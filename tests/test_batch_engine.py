@@ -134,11 +134,14 @@ def test_seeded_rows_draw_what_a_single_stream_draws(arch):
     drafter = tiny_drafter(target, arch, block_size=4, top_k=8)
     sampling = [SamplingParams(temperature=0.9, top_p=0.95, seed=s) for s in (3, 4, 5)]
     jobs = [(p, 20, {"sampling": s}) for p, s in zip(PROMPTS, sampling)]
-    # Alone, a reply's last cycles narrow to the tokens left; the batch keeps its width (and
-    # cuts), so the batch's 20 tokens are the first 20 of a longer single-stream reply.
-    alone = [generate(target, p, 40, drafter=drafter, sampling=k["sampling"]).tokens[:20] for p, _, k in jobs]
+    # A single stream's last cycles narrow to the tokens left; several rows share one width
+    # (the batch cuts what a row cannot take), so the draws agree until the last block: 16 tokens.
+    alone = [generate(target, p, 20, drafter=drafter, sampling=k["sampling"]).tokens for p, _, k in jobs]
     out = _run(SpeculativeBatch(target, drafter, block_size=4), jobs, join_every=1)
-    assert [out[i][:-1] for i in range(3)] == alone
+    assert [out[i][:16] for i in range(3)] == [a[:16] for a in alone]
+    # a row decoding alone is the single stream, narrowing included
+    solo = _run(SpeculativeBatch(target, drafter, block_size=4), jobs[:1])
+    assert solo[0][:-1] == alone[0]
     assert alone[0] != generate(target, PROMPTS[0], 20, drafter=drafter,
                                 sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=9)).tokens
 
@@ -425,3 +428,66 @@ def test_packing_a_window_batch_keeps_spare_slots_so_a_leaving_row_can_trim():
     assert row.offset == 150 and row.n_stored == 8 - 1 + batch_cache.WINDOW_SPARE
     assert can_trim(row, batch_cache.WINDOW_SPARE)  # a next turn that diverges that far back trims exactly
     assert cache.n_slots < 150  # and the packing still frees the rest
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("arch", [None, "dflash2"])
+def test_a_row_alone_runs_on_native_caches_and_turns_ragged_and_back(family, arch):
+    """One decoder: a row alone is the single stream (its caches, its cycles: plain steps
+    pipelined, widths narrowed at the end); a second row makes both ragged rows; the one
+    left turns native again. Every row equals its single-stream output."""
+    target = tiny_target(family)
+    drafter = tiny_drafter(target, arch, block_size=4) if arch else None
+    batch = SpeculativeBatch(target, drafter)
+    first = batch.add(PROMPTS[0], 40)
+    out, states = {first: []}, []
+    for _ in range(6):
+        for rid, ev in batch.step():
+            out[rid] += ev.tokens
+    assert batch.alone and batch_cache.batch_size(batch.cache) == 0
+    second = batch.add(PROMPTS[1], 12)
+    out[second] = []
+    while len(batch):
+        for rid, ev in batch.step():
+            out[rid] += ev.tokens
+        states.append((len(batch.rows), batch.alone, batch_cache.batch_size(batch.cache)))
+    assert (2, False, 2) in states  # decoded together on ragged caches ...
+    assert states[-2][:2] == (1, True)  # ... and the first finished alone again, on native caches
+    for rid, prompt, n in ((first, PROMPTS[0], 40), (second, PROMPTS[1], 12)):
+        assert out[rid] == generate(target, prompt, n, drafter=drafter).tokens
+
+
+def test_a_row_alone_equals_the_single_stream_cycle_for_cycle():
+    target = tiny_target("qwen3_5")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    ref = generate(target, PROMPTS[2], 25, drafter=drafter)
+    batch = SpeculativeBatch(target, drafter)
+    batch.add(PROMPTS[2], 25)
+    tokens, widths = [], []
+    while len(batch):
+        for _, ev in batch.step():
+            tokens += ev.tokens
+            widths += [ev.cycle.width] if ev.cycle is not None else []
+    assert tokens == ref.tokens and widths == [c.width for c in ref.cycles]
+
+
+def test_a_row_alone_hands_its_native_caches_to_its_prompt_cache():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    pc = PromptCache(target, drafter, reserve=4)
+    batch = SpeculativeBatch(target, drafter)
+    batch.add(PROMPTS[0], 10, prompt_cache=pc)
+    reply = []
+    while len(batch):
+        for _, ev in batch.step():
+            reply += ev.tokens
+    assert pc.tokens == (PROMPTS[0] + reply)[: len(pc.tokens)] and len(pc.tokens) >= len(PROMPTS[0]) + 9
+    turn, n_before = PROMPTS[0] + reply + [5, 6], len(pc.tokens)
+    again = SpeculativeBatch(target, drafter)
+    again.add(turn, 8, prompt_cache=pc)
+    cont = []
+    while len(again):
+        for _, ev in again.step():
+            cont += ev.tokens
+            assert ev.cached_tokens == n_before  # the first turn's caches, reused
+    assert cont == generate(target, turn, 8, drafter=drafter).tokens

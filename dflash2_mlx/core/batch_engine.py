@@ -17,6 +17,12 @@ a new row's prompt is prefilled alone, up to `prefill_step_size` tokens per `ste
 the joining rows (running rows keep decoding), then its single-row caches are appended to
 the batch. A row that finishes leaves at once;
 with a `PromptCache`, its caches go back into it.
+
+A row decoding alone keeps its native single-row caches and runs the single-stream engine's
+own cycle (`_next_cycle`: width capped by the tokens left, plain steps pipelined), so a batch
+of one decodes as fast as `stream_generate`; its caches become ragged rows when a second row
+is ready to join (never with a plain step queued ahead), and the last row left turns native
+again.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from .engine import (
     _logprob_list,
     _logprobs,
     _prefill,
+    _next_cycle,
     _Run,
     accepted,
     generation_stream,
@@ -97,13 +104,19 @@ class SpeculativeBatch:
         self.cache = batch_cache.empty_batch(target)
         self.rows: list[_Row] = []  # decoding, in the order of the batch's rows
         self.joining: collections.deque[_Row] = collections.deque()  # prompts being prefilled
+        self.ready: list[_Row] = []  # prefilled, waiting for the row alone to finish a queued step
         self._ids = itertools.count()
         self.n_cycles = 0
         self.last_width = 0
         self.failures: list[tuple[int, Exception]] = []  # rows that failed alone, for `take_failures`
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self.joining)
+        return len(self.rows) + len(self.joining) + len(self.ready)
+
+    @property
+    def alone(self) -> bool:
+        """Whether one row decodes on its native caches (the single-stream engine's cycle)."""
+        return len(self.rows) == 1 and self.rows[0].run.target_cache is not None
 
     # -- rows in and out ----------------------------------------------------------------------
 
@@ -146,12 +159,22 @@ class SpeculativeBatch:
                 self.joining.remove(row)
                 if row.prompt_cache is not None:  # the prefill's chunks so far
                     row.prompt_cache.tokens = row.run.history[: row.run.fed]
+        for row in [r for r in self.ready if r.id == row_id]:
+            self.ready.remove(row)
+            if row.prompt_cache is not None:  # its native caches cover the prompt
+                row.prompt_cache.tokens = row.run.history[: row.run.fed]
         self._leave([r for r in self.rows if r.id == row_id])
 
     def _leave(self, leaving: list[_Row]) -> None:
         if not leaving:
             return
         gone = {r.id for r in leaving}
+        if self.alone:  # its native caches are the prompt cache's already
+            row = self.rows[0]
+            if row.prompt_cache is not None:
+                row.prompt_cache.tokens = row.run.history[: row.run.fed]
+            self.rows = []
+            return
         for b, row in enumerate(self.rows):
             if row.id in gone and row.prompt_cache is not None:
                 pc = row.prompt_cache  # the caches cover history[:fed]: the pool's next turn starts there
@@ -160,6 +183,38 @@ class SpeculativeBatch:
         kept = [b for b, r in enumerate(self.rows) if r.id not in gone]
         batch_cache.keep_rows(self.cache, kept)
         self.rows = [self.rows[b] for b in kept]
+        if len(self.rows) == 1:
+            self._to_native()
+
+    def _to_native(self) -> None:
+        """The last row left in the batch takes its caches back as single-row ones."""
+        run = self.rows[0].run
+        pc = self.rows[0].prompt_cache
+        run.target_cache = batch_cache.row_cache(self.cache, 0, max(self.width, pc.reserve if pc else 0))
+        if pc is not None:
+            pc.target_cache = run.target_cache  # the same objects, as a single stream shares them
+        self.cache = batch_cache.empty_batch(self.target)
+
+    def _join_ready(self) -> None:
+        """Rows whose prefill is done start decoding: alone on their native caches when no
+        other row decodes, else as ragged rows of the batch (the row alone first finishes any
+        plain step it queued ahead: its caches must end where its history does)."""
+        if not self.ready:
+            return
+        if not self.rows and len(self.ready) == 1:
+            self.rows.append(self.ready.pop())
+            return
+        if self.alone:
+            run = self.rows[0].run
+            if run.queued is not None or run.decided is not None:
+                return
+            batch_cache.add_rows(self.cache, [run.target_cache])
+            run.target_cache = None
+        batch_cache.add_rows(self.cache, [row.run.target_cache for row in self.ready])
+        for row in self.ready:
+            row.run.target_cache = None  # the batch owns the row's caches now
+        self.rows += self.ready
+        self.ready = []
 
     # -- one turn -----------------------------------------------------------------------------
 
@@ -180,8 +235,12 @@ class SpeculativeBatch:
                 budget -= row.run.fed - fed
                 if self.joining and self.joining[0] is row:
                     break  # its prompt goes on next step
-            if self.rows:
+            self._join_ready()
+            if self.alone:
+                out += self._cycle_alone()
+            elif self.rows:
                 out += self._cycle()
+            self._join_ready()
         return out
 
     def take_failures(self) -> list[tuple[int, Exception]]:
@@ -224,9 +283,7 @@ class SpeculativeBatch:
         run.history.append(first)
         finish = _commit(run, [first], finish)
         if finish is None:
-            batch_cache.add_rows(self.cache, [run.target_cache])
-            run.target_cache = None  # the batch owns the row's caches now
-            self.rows.append(row)
+            self.ready.append(row)
         elif row.prompt_cache is not None:
             row.prompt_cache.tokens = run.history[: run.fed]
         return [(row.id, self._event(row, kept, None, finish, logprobs))]
@@ -271,6 +328,34 @@ class SpeculativeBatch:
             batch_cache.compact(self.cache)
         if self.n_cycles % CLEAR_CACHE_EVERY == 0:
             mx.clear_cache()
+        return out
+
+    def _cycle_alone(self) -> list:
+        """One cycle of the row decoding alone: the single-stream engine's, on its caches."""
+        row = self.rows[0]
+        run = row.run
+        pipeline = not self.joining and not self.ready and not run.processors and run.constraint is None
+        policy = _OneRow(self.policy) if self.policy is not None and self.drafter is not None else None
+        try:
+            emitted, cycle, logprobs = _next_cycle(run, self.width if self.drafter is not None else 1,
+                                                   row.stopper.max_tokens - len(row.stopper.tokens), policy,
+                                                   pipeline)
+            kept, finish = row.stopper.feed(emitted)
+            run.history.extend(emitted)
+            finish = _commit(run, emitted, finish)
+        except Exception as e:  # noqa: BLE001 - this row's own failure, as in a batched cycle
+            if row.prompt_cache is not None:
+                row.prompt_cache.reset()
+            self.failures.append((row.id, e))
+            self.rows = []
+            return []
+        self.last_width = cycle.width
+        self.n_cycles += 1
+        if self.n_cycles % CLEAR_CACHE_EVERY == 0:
+            mx.clear_cache()
+        out = [(row.id, self._event(row, kept, cycle, finish, logprobs))]
+        if finish is not None:
+            self._leave([row])
         return out
 
     def _speculate(self, runs: list[_Run], w: int, failed: dict):
@@ -334,6 +419,22 @@ class SpeculativeBatch:
                                row.prompt_tps, n, (n - 1) / max(now - row.first_at, 1e-9) if n > 1 else 0.0,
                                peak_memory_gb(), stopper.matched if finish == "stop" else None,
                                logprobs[: len(tokens)] if logprobs is not None else None, row.n_cached)
+
+
+class _OneRow:
+    """The batch's width policy seen as a single stream's (`WidthPolicy`) at batch size 1."""
+
+    def __init__(self, policy: BatchPolicy):
+        self.policy = policy
+
+    def begin(self) -> None:
+        pass  # `add` began the reply
+
+    def next_width(self, max_width: int) -> int:
+        return self.policy.next_width(max_width, 1)
+
+    def observe(self, cycle) -> None:
+        self.policy.observe(1, cycle, [(cycle.n_drafted, cycle.n_accepted)])
 
 
 def _bare_greedy(run: _Run) -> bool:
