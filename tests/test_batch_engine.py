@@ -232,7 +232,7 @@ def _kv(n):
 def test_bad_rows_fail_with_values():
     target = tiny_target("llama")
     batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
-    with pytest.raises(ConfigError, match="above its 0 reply tokens, got 3 prompt tokens, max_tokens 0"):
+    with pytest.raises(ConfigError, match="a row needs a prompt and max_tokens >= 1, got 3 prompt tokens, max_tokens 0"):
         batch.add([1, 2, 3], 0)
     with pytest.raises(ConfigError, match="block_size must be >= 2"):
         SpeculativeBatch(target, tiny_drafter(target, "dflash2"), block_size=1)
@@ -262,36 +262,15 @@ def test_batch_costs_and_the_width_policy_by_load():
     assert all(p.probe_next is False for p in policy.by_batch.values())  # probe_every=0: never
 
 
-def test_a_new_row_begins_the_batch_policy_and_a_handed_over_reply_does_not():
+def test_a_new_row_begins_the_batch_policy():
     target = tiny_target("llama")
     begun = []
     policy = BatchWidthPolicy(Costs((0.05, 0.06, 0.07, 0.08), (0.0, 0.01, 0.01, 0.01)))
     policy.begin = lambda: begun.append(1)
     batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4), policy=policy)
     batch.add(PROMPTS[0], 8)
-    batch.add(PROMPTS[1], 8, reply=[5, 6], sent=0)
-    assert begun == [1]
-
-
-def test_a_reply_handed_over_is_fed_before_a_long_prompt_that_joined_first():
-    """Seen under load in the server: the solo reply moved in just after a 1,500-token prompt
-    had joined, and waited for that prompt's whole prefill (its stream stalled ~24 steps)."""
-    target = tiny_target("llama")
-    drafter = tiny_drafter(target, "dflash2", block_size=4)
-    prompt = PROMPTS[0]
-    reply = generate(target, prompt, 6, drafter=drafter).tokens[:3]
-    batch = SpeculativeBatch(target, drafter, prefill_step_size=64)
-    long_id = batch.add([1] + [(5 * j) % 90 + 3 for j in range(1500)], 4)
-    reply_id = batch.add(prompt, 12, reply=reply, sent=0)
-    out = {reply_id: list(reply), long_id: []}
-    first = batch.step()
-    assert {rid for rid, _ in first} == {reply_id}
-    for rid, ev in first:
-        out[rid] += ev.tokens
-    while len(batch):
-        for rid, ev in batch.step():
-            out[rid] += ev.tokens
-    assert out[reply_id] == generate(target, prompt, 12, drafter=drafter).tokens
+    batch.add(PROMPTS[1], 8)
+    assert begun == [1, 1]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -114,11 +114,11 @@ def serve(
                                                help="Prompt tokens per prefill step; a client that leaves "
                                                     "is noticed between steps.")] = 512,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1,
-                                           help="Requests decoding together: the first in flight runs "
-                                                "alone, those arriving meanwhile join one speculative "
-                                                "batch (per-row drafts, one batched verify; with "
-                                                "--block-size auto the width follows the load, down to "
-                                                "plain batched decoding) and the first moves into it "
+                                           help="Requests decoding together in one speculative batch: "
+                                                "one alone decodes as a single stream, several share one "
+                                                "batched verify with per-row drafts (with --block-size "
+                                                "auto the width follows the load, down to plain batched "
+                                                "decoding); seeded requests run one at a time beside it "
                                                 "(1: strictly one at a time). --batch-memory bounds "
                                                 "them too.")] = DEFAULT_MAX_BATCH,
     batch_memory: Annotated[str, typer.Option("--batch-memory", metavar="SIZE",

@@ -66,7 +66,7 @@ COMPACT_EVERY = 16  # cycles between packing away the slots rejected drafts left
 class _Row:
     id: int
     run: _Run
-    ids: list[int]  # what the caches must cover before decoding: the prompt (and a reply continued)
+    ids: list[int]  # the prompt: what the caches must cover before decoding
     n_prompt: int
     stopper: Stopper
     prompt_cache: object | None
@@ -121,34 +121,22 @@ class SpeculativeBatch:
     # -- rows in and out ----------------------------------------------------------------------
 
     def add(self, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams | None = None,
-            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None,
-            reply: list[int] = (), sent: int = 0) -> int:
+            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None) -> int:
         """Queue a row for `prompt_ids`; its prompt is prefilled over the next steps. Returns
         the row's id. `prompt_cache` (a `PromptCache` for this pair) supplies the prefix it
-        reaches exactly and gets the row's caches back when it ends.
-
-        `reply` continues a reply another engine started (the single-stream one, handing a
-        reply to the batch): those tokens were emitted, `sent` characters of their text went
-        out, and `max_tokens` counts them; the row prefills what its cache lacks of prompt +
-        reply (usually the last token) and goes on from there."""
+        reaches exactly and gets the row's caches back when it ends."""
         params = sampling or SamplingParams()
-        n_prompt, ids = len(prompt_ids), list(prompt_ids) + list(reply)
-        if not prompt_ids or max_tokens <= len(reply):
-            raise ConfigError(f"a row needs a prompt and max_tokens above its {len(reply)} reply tokens, "
-                              f"got {n_prompt} prompt tokens, max_tokens {max_tokens}")
+        ids = list(prompt_ids)
+        if not ids or max_tokens < 1:
+            raise ConfigError(f"a row needs a prompt and max_tokens >= 1, got {len(ids)} prompt tokens, "
+                              f"max_tokens {max_tokens}")
         run, n_cached, mark = start_run(self.target, self.drafter, ids, max_tokens, self.width, params, prompt_cache,
-                                        top_logprobs=top_logprobs, constraint=constraint, prompt_len=n_prompt)
-        mark = None if reply else mark  # the snapshot belongs before the prompt's end, not the reply's
+                                        top_logprobs=top_logprobs, constraint=constraint, prompt_len=len(ids))
         stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
-        if reply:  # a grammar, if any, has already advanced over the reply
-            stopper.prime(list(reply), sent)
-        elif self.policy is not None:
+        if self.policy is not None:
             self.policy.begin()
-        row = _Row(next(self._ids), run, ids, n_prompt, stopper, prompt_cache, mark, n_cached, time.perf_counter())
-        if reply:  # a stream in progress (about one token to feed) never waits behind a new prompt
-            self.joining.appendleft(row)
-        else:
-            self.joining.append(row)
+        row = _Row(next(self._ids), run, ids, len(ids), stopper, prompt_cache, mark, n_cached, time.perf_counter())
+        self.joining.append(row)
         return row.id
 
     def remove(self, row_id: int) -> None:

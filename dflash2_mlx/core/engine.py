@@ -447,8 +447,7 @@ def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_T
                     prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy: WidthPolicy | None = None,
                     kv_bits: int | None = None, kv_group_size: int | None = None, on_prefill=None,
                     pipelined: bool = True, top_logprobs: int | None = None, overlap: bool | None = None,
-                    constraint: Constraint | None = None, lockstep: Lockstep | None = None,
-                    hold: threading.Event | None = None):
+                    constraint: Constraint | None = None, lockstep: Lockstep | None = None):
     """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
 
     Args:
@@ -474,9 +473,6 @@ def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_T
             chunk; returning False cancels: the generator ends without yielding anything.
         pipelined: plain steps (without penalties) queue the next step before reading the last
             token back, as mlx-lm does; False runs the one-step-at-a-time twin.
-        hold: once set, no step is queued ahead any more, so at the next event the caches cover
-            exactly the tokens emitted (a caller about to close the run and continue the reply
-            elsewhere sets it: a recurrent layer cannot take back a token fed ahead).
         overlap: build the verify graph while the drafts compute (default: on GPU backends; on
             the CPU backend host work and kernels share the same cores, so it does not pay).
         top_logprobs: when set, each event carries `logprobs`: every token's log-probability
@@ -506,7 +502,7 @@ def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_T
                                     kv_group_size=kv_group_size, top_logprobs=top_logprobs, overlap=overlap,
                                     constraint=constraint, lockstep=lockstep)
     events = _generate(run, ids, n_cached, mark, max_tokens, width, stop, prefill_step_size, block_policy,
-                       on_prefill, pipelined, hold)
+                       on_prefill, pipelined)
     if prompt_cache is None:
         return events
     return _tracked(events, run, prompt_cache)
@@ -538,8 +534,7 @@ def _tracked(events, run: _Run, prompt_cache):
 
 
 def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, width: int, stop,
-              prefill_step_size: int, block_policy: WidthPolicy | None, on_prefill, pipelined: bool,
-              hold: threading.Event | None):
+              prefill_step_size: int, block_policy: WidthPolicy | None, on_prefill, pipelined: bool):
     target = run.target
     stopper = Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
     # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
@@ -573,7 +568,7 @@ def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, w
             block_policy.begin()
         try:
             yield event(kept, None, finish, first_lp)
-            yield from _decode(run, stopper, finish, event, max_tokens, width, block_policy, pipelined, hold)
+            yield from _decode(run, stopper, finish, event, max_tokens, width, block_policy, pipelined)
         finally:
             if run.lockstep is not None and run.lockstep.leader and not run.told_stop:
                 _rank0_says(run, False)  # closed at an event: the other ranks stop with it
@@ -590,7 +585,7 @@ def _rank0_says(run: _Run, go: bool) -> bool:
 
 
 def _decode(run: _Run, stopper: Stopper, finish, event, max_tokens: int, width: int,
-            block_policy: WidthPolicy | None, pipelined: bool, hold: threading.Event | None = None):
+            block_policy: WidthPolicy | None, pipelined: bool):
     """The cycles after the first token, each yielding its event."""
     # penalties and grammars need each token on the host before the next step; sharded ranks
     # must issue the same passes in the same order, which a queued step could break
@@ -598,8 +593,7 @@ def _decode(run: _Run, stopper: Stopper, finish, event, max_tokens: int, width: 
     n_cycles = 0
     while _rank0_says(run, finish is None):
         with mx.stream(generation_stream()):
-            ahead = pipeline and not (hold is not None and hold.is_set())
-            emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy, ahead)
+            emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy, pipeline)
         kept, finish = stopper.feed(emitted)
         run.history.extend(emitted)
         finish = _commit(run, emitted, finish)

@@ -23,12 +23,6 @@ class Stopper:
         self.text, self.tokens, self.sent, self.searched = "", [], 0, 0
         self.matched: str | None = None
 
-    def prime(self, tokens: list[int], sent: int) -> None:
-        """Continue another stopper's reply: `tokens` were emitted and `sent` characters of
-        their text handed out (a reply moving from the single-stream engine to the batch)."""
-        self.feed(tokens)
-        self.sent = self.searched = sent
-
     def feed(self, tokens: list[int]) -> tuple[list[int], str | None]:
         """Accept tokens; return (kept tokens, finish reason or None)."""
         kept = []

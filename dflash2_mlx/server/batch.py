@@ -1,13 +1,12 @@
-"""Requests that arrive while others run decode together, speculatively, in one batch.
+"""Requests decode together, speculatively, in one batch.
 
-The worker gives the first request in flight the single-stream engine; requests that arrive
-while it runs join a `BatchRun`, a `SpeculativeBatch` (`batch_engine.py`): per-row drafts,
-one batched verify, per-row acceptance and rollback, rows joining and leaving between
-cycles and prompts prefilled a chunk per step. Each cycle's width comes from the session's
-block size: fixed, or with `--block-size auto` a `BatchWidthPolicy` that picks it for the
-current batch size from this machine's measured costs (plain batched decoding when
-speculation does not pay at that concurrency). Once a batch exists, the solo reply moves
-into it (`adopt`), drafter context and caches included, whatever the target's cache kinds.
+A `BatchRun` wraps a `SpeculativeBatch` (`batch_engine.py`): a row alone decodes on its own
+caches exactly as a single stream; with others, per-row drafts, one batched verify, per-row
+acceptance and rollback, rows joining and leaving between cycles and prompts prefilled a
+chunk per step. Each cycle's width comes from the session's block size: fixed, or with
+`--block-size auto` a `BatchWidthPolicy` that picks it for the current batch size from this
+machine's measured costs (plain batched decoding when speculation does not pay at that
+concurrency).
 
 Rows get the engine's events, so the API layers cannot tell a batched reply from a
 single-stream one; a row's prompt cache (from the pool) gets its caches back when it ends.
@@ -17,20 +16,12 @@ arrives alone or beside others, and the batch's widths follow the load.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ..core.batch_engine import SpeculativeBatch
 
 
 def batchable(job) -> bool:
     """Whether `job` can decode in the batch (see the module docstring)."""
     return job.sampling.seed is None
-
-
-def can_adopt(cache) -> bool:
-    """Whether a single-stream reply can move into the batch: its caches must outlive the
-    engine's run (a `PromptCache`; any cache kind the engine rolls back will do)."""
-    return cache is not None
 
 
 def batch_policy(session):
@@ -54,7 +45,6 @@ class BatchRun:
         self.max_batch = max_batch
         self.jobs: dict[int, object] = {}  # row id -> job
         self.caches: dict[int, object] = {}  # row id -> its PromptCache (from the pool), if any
-        self._cached: dict[int, int] = {}  # row id -> cached tokens to report (a reply that moved in)
 
     def __len__(self) -> int:
         return len(self.jobs)
@@ -75,21 +65,12 @@ class BatchRun:
                               top_logprobs=job.top_logprobs, constraint=job.constraint, prompt_cache=cache)
         self.jobs[rid], self.caches[rid] = job, cache
 
-    def adopt(self, job, cache, emitted: list[int], sent: int) -> None:
-        """Continue a reply the single-stream engine started: `cache` covers a prefix of prompt +
-        `emitted`; `sent` characters of the text went out already."""
-        rid = self.engine.add(job.prompt_ids, job.max_tokens, sampling=job.sampling, stop=job.stop,
-                              top_logprobs=job.top_logprobs, constraint=job.constraint, prompt_cache=cache,
-                              reply=emitted, sent=sent)
-        self.jobs[rid], self.caches[rid], self._cached[rid] = job, cache, job.stats.cached_tokens
-
     def remove(self, job):
         """Drop a cancelled job; returns its prompt cache (covering its prompt and reply so far)."""
         for rid, j in list(self.jobs.items()):
             if j is job:
                 self.engine.remove(rid)
                 del self.jobs[rid]
-                self._cached.pop(rid, None)
                 return self.caches.pop(rid)
         return None
 
@@ -99,12 +80,9 @@ class BatchRun:
         out = []
         for rid, event in self.engine.step():
             job = self.jobs[rid]
-            if rid in self._cached:
-                event = dataclasses.replace(event, cached_tokens=self._cached[rid])
             cache = None
             if event.finish_reason is not None:
                 del self.jobs[rid]
-                self._cached.pop(rid, None)
                 cache = self.caches.pop(rid)
             out.append((job, event, cache))
         return out
@@ -113,9 +91,14 @@ class BatchRun:
         """(job, error, its reset prompt cache) for each row that failed alone in the last step."""
         failed = []
         for rid, error in self.engine.take_failures():
-            self._cached.pop(rid, None)
             failed.append((self.jobs.pop(rid), error, self.caches.pop(rid)))
         return failed
+
+    def prefilling(self) -> tuple[int, int]:
+        """(prompt tokens prefilled, prompt tokens) of the row whose prompt goes next; (0, 0)
+        when none is joining."""
+        joining = self.engine.joining
+        return (joining[0].run.fed, len(joining[0].ids)) if joining else (0, 0)
 
     def rows_tau(self) -> list[float]:
         """Each running row's tokens per speculative cycle so far."""

@@ -65,7 +65,6 @@ class Metrics:
         self.running = 0
         self.batch = 0
         self.batch_max = 0
-        self.handoffs = 0
         self.solo_width = 0  # the single-stream reply's last verify width (0: none running)
         self.solo_tau = 0.0  # its tokens per speculative cycle so far
         self.batch_width = 0  # the batch's last verify width (1: plain batched decoding; 0: no batch)
@@ -102,14 +101,9 @@ class Metrics:
         now = time.monotonic() if now is None else now
         return sum(n for t, n in self._recent if t >= now - RATE_WINDOW_S) / RATE_WINDOW_S
 
-    def handoff(self) -> None:
-        """A solo (speculative) reply moved into the batch."""
-        with self._lock:
-            self.handoffs += 1
-
     def solo_cycle(self, width: int, tau: float) -> None:
-        """The single-stream reply's last cycle: its width (1 a plain step; 0 when it ended or
-        moved into the batch) and its τ so far."""
+        """The single-stream (seeded) reply's last cycle: its width (1 a plain step; 0 when it
+        ended) and its τ so far."""
         with self._lock:
             self.solo_width, self.solo_tau = width, tau
 
@@ -232,8 +226,6 @@ class Metrics:
              [({"stat": k}, round(v, 6)) for k, v in _spread(self.batch_tau if self.batch else [])]),
             ("dflash2_solo_tokens_per_cycle", "gauge", "Tokens per speculative cycle of the running "
              "single-stream reply (its tau so far; 0 when none).", [({}, round(self.solo_tau, 6))]),
-            ("dflash2_solo_handoffs_total", "counter", "Speculative replies moved into the batch when one formed.",
-             [({}, self.handoffs)]),
             ("dflash2_prefill_tokens_done", "gauge", "Prompt tokens of the running job prefilled so far.",
              [({}, self.prefill_done)]),
             ("dflash2_prefill_tokens_total", "gauge", "Prompt tokens of the running job (0 when idle).",

@@ -2,15 +2,17 @@
 
 Requests become `Job`s (token ids + sampling + limits). `GenerationWorker.submit` admits a
 job only while fewer than `capacity` jobs are waiting or running, else raises `QueueFull`
-(the app answers 429 with Retry-After). The thread takes jobs in arrival order: one runs
-*solo* on the single-stream engine (speculative decoding, the prefix cache); jobs that arrive
-while others run join the speculative *batch* (`batch.py`, at most `max_batch` rows) when they
-can (not seeded); once a batch exists the solo reply moves into it, and a solo reply that
-cannot (seeded) alternates one cycle with one batch step. Each engine event is posted to its
-job's asyncio queue on the event loop. A cancelled job stops at the next cycle or step: the
-worker checks the flag after every event, so at most one cycle runs after `cancel`; during a
-solo prefill the flag is checked before each `prefill_chunk` of the prompt. A job cut by
-shutdown ends with a 503 failure, so its client sees an error rather than a truncated reply.
+(the app answers 429 with Retry-After). The thread takes jobs in arrival order. A job the
+batch can take (not seeded) joins the speculative *batch* (`batch.py`, at most `max_batch`
+rows and, with a `kv_budget`, only while its context fits): alone there it decodes on its
+native caches exactly as a single stream, with others the rows share one batched verify. A
+seeded job runs *solo* on the single-stream engine (its draws must not depend on neighbours),
+alternating one cycle with one batch step. No reply ever moves between the two. Each engine
+event is posted to its job's asyncio queue on the event loop. A cancelled job stops at the next
+cycle or step: the worker checks the flag after every event, so at most one cycle runs after
+`cancel`; prompts are prefilled `prefill_chunk` tokens per step, the flag checked in between.
+A job cut by shutdown ends with a 503 failure, so its client sees an error rather than a
+truncated reply.
 """
 
 from __future__ import annotations
@@ -28,9 +30,6 @@ from ..core.stats import tau_from_counts
 from ..errors import DFlashError
 
 log = logging.getLogger(__name__)
-
-
-_HANDOFF = object()  # sent into a solo run: stop and leave the reply to the batch
 
 
 class QueueFull(Exception):
@@ -175,8 +174,6 @@ class Job:
     logprobs: list = field(default_factory=list)  # filled by a non-streaming collect
     submitted_at: float = field(default_factory=time.perf_counter)
     events_at_cancel: int | None = None
-    emitted: list = field(default_factory=list)  # tokens posted so far
-    sent_chars: int = 0  # characters of text posted so far
 
     def post(self, item) -> None:
         """Hand an event (or Finished/Failed) to the request's coroutine, from any thread."""
@@ -229,9 +226,6 @@ class GenerationWorker:
         self._cond = threading.Condition()
         self._waiting: collections.deque[Job] = collections.deque()
         self._running: list[Job] = []
-        self._solo_job = self._solo_cache = None  # the solo run's job and prompt cache
-        self._solo_yielded = False
-        self._solo_hold = threading.Event()  # set: the solo run queues nothing ahead (a handover is coming)
         self._batch_policy = None  # the batch's width policy (`--block-size auto`), made with the first batch
         if max_batch > 1 and not self._target_batches():
             self.max_batch = 1
@@ -347,15 +341,14 @@ class GenerationWorker:
                 reach = len(job.prompt_ids) + job.max_tokens
                 if self.kv_budget is not None and not self.kv_budget.fits(reach):
                     break  # its K/V would not fit beside the running jobs': it waits for one to end
-                room = self.max_batch > 1 and batchable(job) and n_batch + len(joining) < self.max_batch
-                # while a batch runs, newcomers join it: their prompts are prefilled in chunks between
-                # its steps, where the solo slot would prefill a whole prompt with the batch stopped
-                if not solo_busy and solo is None and not (n_batch and room):
-                    solo = job
-                elif room:
+                if self.max_batch > 1 and batchable(job):
+                    if n_batch + len(joining) >= self.max_batch:
+                        break  # the head waits, and everything behind it: arrival order is kept
                     joining.append(job)
+                elif not solo_busy and solo is None:
+                    solo = job
                 else:
-                    break  # the head waits, and everything behind it: arrival order is kept
+                    break
                 self._running.append(self._waiting.popleft())
                 if self.kv_budget is not None:
                     self.kv_budget.hold(id(job), reach)
@@ -372,8 +365,6 @@ class GenerationWorker:
                 for job in joining:
                     self._start(job)
                     self._add_to_batch(batch, job)
-            if solo is not None and batch and self._hand_off(solo, batch):
-                solo = None
             if solo is not None and next(solo, "done") == "done":
                 solo = None
             if batch:
@@ -389,25 +380,6 @@ class GenerationWorker:
 
                     announce_stop(self.session.lockstep)
                 return
-
-    def _hand_off(self, solo, batch) -> bool:
-        """Move the solo reply into the batch when it can go there: one batch step then serves
-        every row, where alternating would time-slice them."""
-        from .batch import batchable, can_adopt
-
-        job, cache = self._solo_job, self._solo_cache
-        if job is None or not self._solo_yielded or not batchable(job) or not can_adopt(cache) or batch.full:
-            return False
-        if not self._solo_hold.is_set():  # first let a step queued ahead land: its caches must end at the reply
-            self._solo_hold.set()
-            self._solo_yielded = False
-            return False
-        solo.send(_HANDOFF)  # the engine stops at this event; its caches cover what was generated
-        solo.close()
-        batch.adopt(job, cache, job.emitted, job.sent_chars)
-        if self.metrics is not None:
-            self.metrics.handoff()
-        return True
 
     def _add_to_batch(self, batch, job: Job) -> None:
         """A joining job checks out its best prefix-cache entry, as a solo one does; the batch
@@ -464,16 +436,9 @@ class GenerationWorker:
             job.post(Finished(stats))
 
     def _solo(self, job: Job):
-        """Run `job` on the single-stream engine; yields after each event (one cycle). Sent
-        `_HANDOFF` at a yield, it stops the engine and leaves the job to the batch."""
+        """Run `job` on the single-stream engine; yields after each event (one cycle)."""
         self._start(job)
-        if self.prompt_caches is not None:
-            cache = self.prompt_caches.checkout(job.prompt_ids)
-        else:  # the batch may adopt this reply: its caches must outlive the engine's run
-            cache = self.session.prompt_cache() if self.max_batch > 1 else None
-        self._solo_job, self._solo_cache, self._solo_yielded = job, cache, False
-        self._solo_hold = threading.Event()
-        handed = False
+        cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
         try:
             if self.session.lockstep is not None:  # the other ranks of a sharded target decode it too
                 from ..core.distributed import announce
@@ -482,8 +447,7 @@ class GenerationWorker:
             events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
                                          stop=job.stop, on_prefill=self._on_prefill(job),
                                          top_logprobs=job.top_logprobs, constraint=job.constraint,
-                                         prefill_step_size=self.prefill_chunk, prompt_cache=cache,
-                                         hold=self._solo_hold)
+                                         prefill_step_size=self.prefill_chunk, prompt_cache=cache)
             try:
                 for event in events:
                     job.stats.observe(event)
@@ -492,14 +456,9 @@ class GenerationWorker:
                             self.metrics.solo_cycle(event.cycle.width, job.stats.tokens_per_cycle)
                         self.metrics.tokens_posted(len(event.tokens))
                     job.post(event)
-                    job.emitted.extend(event.tokens)
-                    job.sent_chars += len(event.text)
                     if job.cancelled.is_set() or event.finish_reason is not None:
                         break
-                    self._solo_yielded = True
-                    if (yield) is _HANDOFF:
-                        handed = True
-                        break
+                    yield
             finally:
                 events.close()
         except DFlashError as e:
@@ -508,18 +467,13 @@ class GenerationWorker:
             log.exception("generation failed for request %s", job.id)
             job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
         else:
-            if not handed:
-                self._finish(job)
+            self._finish(job)
         finally:
-            self._solo_job = self._solo_cache = None
             if self.metrics is not None:
                 self.metrics.solo_cycle(0, 0.0)
-            if not handed:
-                if self.prompt_caches is not None:
-                    self.prompt_caches.checkin(cache)
-                self._end(job)
-        if handed:
-            yield  # answers the send(_HANDOFF); the batch owns the job and its caches now
+            if self.prompt_caches is not None:
+                self.prompt_caches.checkin(cache)
+            self._end(job)
 
     def _step_batch(self, batch) -> None:
         """Drop cancelled rows, run one batch step, post its events."""
@@ -558,6 +512,7 @@ class GenerationWorker:
                 self._end(job)
         if self.metrics is not None:
             self.metrics.batch_cycle(batch.width, batch.rows_tau())
+            self.metrics.prefill(*batch.prefilling())
 
     def _fail_batch(self, batch, failure: Failed) -> None:
         """Fail every row: a batch step that raised leaves the batch's state unknown, so the
