@@ -232,7 +232,7 @@ def _kv(n):
 def test_bad_rows_fail_with_values():
     target = tiny_target("llama")
     batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
-    with pytest.raises(ConfigError, match="a row needs a prompt and max_tokens >= 1, got 3 prompt tokens, max_tokens 0"):
+    with pytest.raises(ConfigError, match="needs a prompt and max_tokens >= 1, got 3 prompt tokens, max_tokens 0"):
         batch.add([1, 2, 3], 0)
     with pytest.raises(ConfigError, match="block_size must be >= 2"):
         SpeculativeBatch(target, tiny_drafter(target, "dflash2"), block_size=1)
