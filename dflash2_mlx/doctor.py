@@ -54,6 +54,12 @@ def device() -> dict:
     }
 
 
+def usable_memory() -> int | None:
+    """Bytes the device may use: Metal's recommended working set, else its (or the system's) memory."""
+    dev = device()
+    return dev["recommended_working_set_bytes"] or dev["memory_bytes"]
+
+
 def kernels() -> dict:
     from .kernels import selector
 
@@ -264,8 +270,7 @@ def estimate_memory(model: str | None, drafter: str | None = None, context: int 
     if out["drafter"]:
         parts += [out["drafter"]["weights_bytes"], out["drafter"]["kv_bytes"]]
     out["total_bytes"] = int(sum(parts) * 1.1)  # ~10% for activations, logits and allocator slack
-    dev = device()
-    budget = dev["recommended_working_set_bytes"] or dev["memory_bytes"]
+    budget = usable_memory()
     out["device_bytes"] = budget
     out["fits"] = None if not budget else out["total_bytes"] <= budget
     return out

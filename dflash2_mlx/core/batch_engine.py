@@ -41,13 +41,14 @@ from .engine import (
     DEFAULT_PREFILL_STEP,
     CycleStats,
     GenerationEvent,
+    _can_pipeline,
     _choose,
-    _commit,
     _logprob_list,
     _logprobs,
     _next_cycle,
     _prefill,
     _Run,
+    _take,
     accepted,
     generation_stream,
     peak_memory_gb,
@@ -109,6 +110,7 @@ class SpeculativeBatch:
         self.n_cycles = 0
         self.last_width = 0
         self.failures: list[tuple[int, Exception]] = []  # rows that failed alone, for `take_failures`
+        self._alone_policy = _OneRow(policy) if policy is not None and drafter is not None else None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining) + len(self.ready)
@@ -171,8 +173,6 @@ class SpeculativeBatch:
         kept = [b for b, r in enumerate(self.rows) if r.id not in gone]
         batch_cache.keep_rows(self.cache, kept)
         self.rows = [self.rows[b] for b in kept]
-        if len(self.rows) == 1:
-            self._to_native()
 
     def _to_native(self) -> None:
         """The last row left in the batch takes its caches back as single-row ones."""
@@ -183,11 +183,14 @@ class SpeculativeBatch:
             pc.target_cache = run.target_cache  # the same objects, as a single stream shares them
         self.cache = batch_cache.empty_batch(self.target)
 
-    def _join_ready(self) -> None:
+    def _settle(self) -> None:
         """Rows whose prefill is done start decoding: alone on their native caches when no
         other row decodes, else as ragged rows of the batch (the row alone first finishes any
-        plain step it queued ahead: its caches must end where its history does)."""
+        plain step it queued ahead: its caches must end where its history does). The last row
+        left in the batch (the others finished, failed or were cancelled) turns native."""
         if not self.ready:
+            if len(self.rows) == 1 and not self.alone:
+                self._to_native()
             return
         if not self.rows and len(self.ready) == 1:
             self.rows.append(self.ready.pop())
@@ -223,12 +226,12 @@ class SpeculativeBatch:
                 budget -= row.run.fed - fed
                 if self.joining and self.joining[0] is row:
                     break  # its prompt goes on next step
-            self._join_ready()
+            self._settle()
             if self.alone:
                 out += self._cycle_alone()
             elif self.rows:
                 out += self._cycle()
-            self._join_ready()
+            self._settle()
         return out
 
     def take_failures(self) -> list[tuple[int, Exception]]:
@@ -267,9 +270,7 @@ class SpeculativeBatch:
         first = int(first_arr.item())
         logprobs = _logprob_list(_logprobs(run, rows, first_arr), [first])
         row.prompt_tps = (len(row.ids) - row.n_cached) / max(time.perf_counter() - row.started, 1e-9)
-        kept, finish = row.stopper.feed([first])
-        run.history.append(first)
-        finish = _commit(run, [first], finish)
+        kept, finish = _take(run, row.stopper, [first])
         if finish is None:
             self.ready.append(row)
         elif row.prompt_cache is not None:
@@ -298,9 +299,7 @@ class SpeculativeBatch:
             if b in failed:
                 continue
             try:
-                kept, finish = row.stopper.feed(tokens)
-                row.run.history.extend(tokens)
-                finish = _commit(row.run, tokens, finish)
+                kept, finish = _take(row.run, row.stopper, tokens)
             except Exception as e:  # noqa: BLE001 - this row's own failure
                 failed[b] = e
                 continue
@@ -322,15 +321,12 @@ class SpeculativeBatch:
         """One cycle of the row decoding alone: the single-stream engine's, on its caches."""
         row = self.rows[0]
         run = row.run
-        pipeline = not self.joining and not self.ready and not run.processors and run.constraint is None
-        policy = _OneRow(self.policy) if self.policy is not None and self.drafter is not None else None
+        pipeline = not self.joining and not self.ready and _can_pipeline(run)  # a joining row waits for no queue
         try:
             emitted, cycle, logprobs = _next_cycle(run, self.width if self.drafter is not None else 1,
-                                                   row.stopper.max_tokens - len(row.stopper.tokens), policy,
-                                                   pipeline)
-            kept, finish = row.stopper.feed(emitted)
-            run.history.extend(emitted)
-            finish = _commit(run, emitted, finish)
+                                                   row.stopper.max_tokens - len(row.stopper.tokens),
+                                                   self._alone_policy, pipeline)
+            kept, finish = _take(run, row.stopper, emitted)
         except Exception as e:  # noqa: BLE001 - this row's own failure, as in a batched cycle
             if row.prompt_cache is not None:
                 row.prompt_cache.reset()

@@ -254,8 +254,12 @@ class AdaptiveBlockPolicy:
 
     def begin(self) -> None:
         """A new reply starts: its text is new, so the acceptance evidence counts half and, if
-        decoding plainly, the first step probes (with the probe gap back at its start)."""
+        decoding plainly, the first step probes (`restart_probes`)."""
         self.acceptance.fade(REPLY_FADE)
+        self.restart_probes()
+
+    def restart_probes(self) -> None:
+        """The probe gap back at its start, and a probe at the next plain choice (if probing is on)."""
         self.probe_gap = self.probe_every
         self.probe_next = bool(self.probe_every)
 
@@ -375,7 +379,7 @@ class BatchWidthPolicy:
         """A new reply joins the batch: see `AdaptiveBlockPolicy.begin` (the shared acceptance
         evidence fades once)."""
         for p in self.by_batch.values():
-            p.probe_gap, p.probe_next = p.probe_every, bool(p.probe_every)
+            p.restart_probes()
         if self.acceptance is not None:
             self.acceptance.fade(REPLY_FADE)
 

@@ -561,9 +561,7 @@ def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, w
                                    peak_memory_gb(), stopper.matched if finish == "stop" else None,
                                    logprobs[: len(tokens)] if logprobs is not None else None, n_cached)
 
-        kept, finish = stopper.feed([first])
-        run.history.append(first)
-        finish = _commit(run, [first], finish)
+        kept, finish = _take(run, stopper, [first])
         if block_policy is not None:
             block_policy.begin()
         try:
@@ -587,28 +585,33 @@ def _rank0_says(run: _Run, go: bool) -> bool:
 def _decode(run: _Run, stopper: Stopper, finish, event, max_tokens: int, width: int,
             block_policy: WidthPolicy | None, pipelined: bool):
     """The cycles after the first token, each yielding its event."""
-    # penalties and grammars need each token on the host before the next step; sharded ranks
-    # must issue the same passes in the same order, which a queued step could break
-    pipeline = pipelined and not run.processors and run.constraint is None and run.lockstep is None
+    pipeline = pipelined and _can_pipeline(run)
     n_cycles = 0
     while _rank0_says(run, finish is None):
         with mx.stream(generation_stream()):
             emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy, pipeline)
-        kept, finish = stopper.feed(emitted)
-        run.history.extend(emitted)
-        finish = _commit(run, emitted, finish)
+        kept, finish = _take(run, stopper, emitted)
         n_cycles += 1
         if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
             mx.clear_cache()
         yield event(kept, cycle, finish, logprobs)
 
 
-def _commit(run: _Run, emitted: list[int], finish: str | None) -> str | None:
-    """Advance the grammar by the emitted tokens; a completed grammar ends generation."""
+def _take(run: _Run, stopper: Stopper, emitted: list[int]) -> tuple[list[int], str | None]:
+    """Emitted tokens into the reply: the stopper keeps what the client gets (and may finish),
+    the history grows, the constraint advances (a completed grammar ends generation)."""
+    kept, finish = stopper.feed(emitted)
+    run.history.extend(emitted)
     if run.constraint is None:
-        return finish
+        return kept, finish
     run.constraint.commit(emitted)
-    return finish or ("stop" if run.constraint.done else None)
+    return kept, finish or ("stop" if run.constraint.done else None)
+
+
+def _can_pipeline(run: _Run) -> bool:
+    """Whether a plain step may queue the next: penalties and grammars need each token on the
+    host first, and sharded ranks must issue the same passes in the same order."""
+    return not run.processors and run.constraint is None and run.lockstep is None
 
 
 def _pick_width(run: _Run, width: int, left: int, block_policy) -> int:

@@ -38,20 +38,15 @@ def batch_policy(session):
 class BatchRun:
     """The running batch: `add` a job, `step` once per worker turn, `remove` a cancelled one."""
 
-    def __init__(self, session, max_batch: int, prefill_chunk: int, policy=None):
+    def __init__(self, session, prefill_chunk: int, policy=None):
         width = session.block_size if isinstance(session.block_size, int) else None
         self.engine = SpeculativeBatch(session.target, session.drafter, block_size=width, policy=policy,
                                        prefill_step_size=prefill_chunk)
-        self.max_batch = max_batch
         self.jobs: dict[int, object] = {}  # row id -> job
         self.caches: dict[int, object] = {}  # row id -> its PromptCache (from the pool), if any
 
     def __len__(self) -> int:
         return len(self.jobs)
-
-    @property
-    def full(self) -> bool:
-        return len(self.jobs) >= self.max_batch
 
     @property
     def width(self) -> int:

@@ -14,7 +14,6 @@ the rest per row (recurrent states).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from mlx.utils import tree_flatten
@@ -22,7 +21,6 @@ from mlx.utils import tree_flatten
 from ..core.engine import stream_generate
 from ..errors import ConfigError
 
-DEFAULT_MAX_BATCH = 32  # rows, as mlx_lm.server's --decode-concurrency
 MEMORY_SHARE = 0.5  # of the device's memory, for weights + prefix cache + the rows' K/V
 PROBE_TOKENS = (64, 320)  # two prompt lengths a KV step (256) apart
 
@@ -38,18 +36,6 @@ class KVCost:
         return self.per_row + self.per_token * n_tokens
 
 
-def device_memory() -> int:
-    """Bytes the device may use: Metal's recommended working set, else physical memory."""
-    import mlx.core as mx
-
-    try:
-        info = mx.device_info()
-    except Exception:  # absent on some backends and builds
-        info = {}
-    size = info.get("max_recommended_working_set_size") or info.get("memory_size")
-    return int(size or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
 def weights_bytes(*modules) -> int:
     return sum(v.nbytes for m in modules if m is not None for _, v in tree_flatten(m.parameters()))
 
@@ -62,7 +48,7 @@ def measure_kv_cost(session) -> KVCost:
         ids = [(7 * i + 3) % max(session.target.info.vocab_size - 1, 2) + 1 for i in range(n)]
         for _ in stream_generate(session.target, ids, drafter=session.drafter, max_tokens=1, prompt_cache=cache):
             pass
-        sizes.append(cache.nbytes / 1.0)
+        sizes.append(cache.nbytes)
     (n1, n2), (b1, b2) = PROBE_TOKENS, sizes
     per_token = max((b2 - b1) / (n2 - n1), 1.0)
     return KVCost(per_token, max(b1 - per_token * n1, 0.0))
@@ -70,7 +56,12 @@ def measure_kv_cost(session) -> KVCost:
 
 def auto_budget(session, prompt_cache_bytes: int, memory: int | None = None) -> int:
     """`MEMORY_SHARE` of the device's memory less the weights and the prefix cache's budget."""
-    memory = device_memory() if memory is None else memory
+    if memory is None:
+        from ..doctor import usable_memory
+
+        memory = usable_memory()
+    if not memory:
+        raise ConfigError("this device does not report its memory: set --batch-memory")
     budget = int(MEMORY_SHARE * memory) - weights_bytes(session.target.model, session.drafter) - prompt_cache_bytes
     if budget <= 0:
         raise ConfigError(f"no memory left for decoding: {MEMORY_SHARE:.0%} of {memory / 2**30:.1f} GiB holds "

@@ -398,7 +398,7 @@ class GenerationWorker:
 
         if self._batch_policy is None:  # one for the worker: it keeps learning across batches
             self._batch_policy = batch_policy(self.session)
-        return BatchRun(self.session, self.max_batch, self.prefill_chunk, self._batch_policy)
+        return BatchRun(self.session, self.prefill_chunk, self._batch_policy)
 
     def _on_prefill(self, job: Job):
         def progress(done: int, total: int) -> bool:
