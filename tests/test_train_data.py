@@ -304,3 +304,12 @@ def test_export_carries_the_train_vocab(tmp_path):
     (run / "proposal_vocab.json").write_text('{"format": "x"}')
     out = export_drafter(run / "checkpoint", tmp_path / "out")
     assert (out / "proposal_vocab.json").read_text() == '{"format": "x"}'
+
+
+@pytest.mark.parametrize("segments, problem", [("9-6", "9-6"), ("6,x", "6,x"), ("7", "applies to --rebuild-features")])
+def test_prepare_data_names_a_bad_segment_choice(tmp_path, segments, problem):
+    args = ["train", "prepare-data", "--out", str(tmp_path / "d"), "--segments", segments]
+    args += ["--rebuild-features"] if problem != "applies to --rebuild-features" else []
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert problem in result.stderr and not (tmp_path / "d").exists()

@@ -120,3 +120,12 @@ def test_features_rebuilt_from_tokens_equal_the_captured_ones(target, tmp_path):
         for i in range(len(a)):
             s, e = a.offsets[i], a.offsets[i + 1]
             assert soft[s:e].tolist() == [j >= a.response_start[i] - 1 for j in range(e - s)]
+
+
+def test_a_rebuild_limited_to_some_segments_remakes_only_theirs(target, tmp_path):
+    _run(target, tmp_path, _prompt_rows())  # 8 prompts in segments of 3: segments 0, 1, 2
+    for path in (tmp_path / "feat").glob("onp-*.safetensors"):
+        path.unlink()
+    rebuilt = onpolicy.rebuild_features(target, tmp_path, TAPS, top_k=8, part_size=2, progress=False, only={1, 2})
+    assert sorted({p.name[:9] for p in rebuilt}) == ["onp-00001", "onp-00002"]
+    assert not list((tmp_path / "feat").glob("onp-00000-*"))

@@ -84,6 +84,9 @@ def prepare_data(
                                                     "templated prompt with the training run).")] = None,
     rebuild_features: Annotated[bool, typer.Option("--rebuild-features", help="Only remake missing feat/ shards "
                                                    "of done segments from tokens/ (one target pass each).")] = False,
+    only_segments: Annotated[Optional[str], typer.Option("--segments", help="With --rebuild-features: only these "
+                                                         "segments, e.g. 6-9 or 6,8 (a fresh machine can rebuild "
+                                                         "just what a run reads).")] = None,
     json_out: Annotated[bool, typer.Option("--json", help="Print a JSON summary.")] = False,
 ) -> None:
     from ..train import onpolicy
@@ -97,6 +100,9 @@ def prepare_data(
     k, _, n = worker.partition("/")
     if not (k.isdigit() and n.isdigit() and int(k) < int(n)):
         raise typer.BadParameter(f"--worker must be K/N with 0 <= K < N, got {worker!r}")
+    chosen = _segment_set(only_segments)
+    if chosen is not None and not rebuild_features:
+        raise typer.BadParameter(f"--segments {only_segments!r} applies to --rebuild-features only")
     target = _target(model)
     layer_ids = _ids(taps) or default_target_layer_ids(target.n_layers, n_taps)
     if max(layer_ids) >= target.n_layers or min(layer_ids) < 0:
@@ -113,7 +119,7 @@ def prepare_data(
     prompts = onpolicy.start_run(out, settings, _mixed_prompts(target, settings) if fresh else None)
     if rebuild_features:
         paths = onpolicy.rebuild_features(target, out, tuple(layer_ids), top_k=top_k, part_size=shard_size,
-                                          worker=(int(k), int(n)))
+                                          worker=(int(k), int(n)), only=chosen)
         summary = {"rebuilt_shards": [str(p) for p in paths]}
     else:
         summary = onpolicy.generate_run(target, out, prompts, tuple(layer_ids), segment_size=segment_size,
@@ -132,6 +138,19 @@ def prepare_data(
         typer.echo(f"{summary['prompts']} prompts answered this call: {summary['response_tokens']} response tokens "
                    f"in {summary['seconds']:.0f} s{rate}; {summary['segments_done']} segments done in {out} "
                    f"(taps {layer_ids})")
+
+
+def _segment_set(text: Optional[str]) -> Optional[set[int]]:
+    """`6-9` or `6,8` (or both, comma-separated) as a set of segment numbers."""
+    if text is None:
+        return None
+    chosen: set[int] = set()
+    for item in text.split(","):
+        lo, dash, hi = item.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (dash and int(hi) < int(lo)):
+            raise typer.BadParameter(f"--segments expects e.g. 6-9 or 6,8, got {text!r}")
+        chosen.update(range(int(lo), int(hi or lo) + 1))
+    return chosen
 
 
 def _mixed_prompts(target, settings: dict) -> list[dict]:

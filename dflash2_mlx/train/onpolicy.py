@@ -162,16 +162,17 @@ def done_segments(out: Path) -> list[int]:
 
 
 def rebuild_features(target, out: Path, taps: tuple[int, ...], *, top_k: int = TOP_K, part_size: int = 256,
-                     progress: bool = True, worker: tuple[int, int] = (0, 1)) -> list[Path]:
+                     progress: bool = True, worker: tuple[int, int] = (0, 1),
+                     only: set[int] | None = None) -> list[Path]:
     """Remake the missing feature shards of done segments from their tokens (teacher-forced passes);
-    `worker` (k, n) as in `generate_run`: only segments s with s % n == k."""
+    `worker` (k, n) as in `generate_run`: only segments s with s % n == k; `only`: just these segments."""
     prompts = read_jsonl_gz(out / PROMPTS_FILE)
     (out / "feat").mkdir(parents=True, exist_ok=True)
     (out / "feat" / "taps.json").write_text(json.dumps({"target_layer_ids": list(taps)}))
     width = len(taps) * target.hidden_size
     jobs = []
     k, n = worker
-    for seg in (s for s in done_segments(out) if s % n == k):
+    for seg in (s for s in done_segments(out) if s % n == k and (only is None or s in only)):
         rows = read_jsonl_gz(token_path(out, seg))
         for part, chunk in enumerate(_parts(rows, part_size)):
             if not part_path(out, seg, part).exists():
