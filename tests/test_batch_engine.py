@@ -470,3 +470,26 @@ def test_a_row_alone_hands_its_native_caches_to_its_prompt_cache():
             cont += ev.tokens
             assert ev.cached_tokens == n_before  # the first turn's caches, reused
     assert cont == generate(target, turn, 8, drafter=drafter).tokens
+
+
+def test_the_batch_holds_the_wired_limit_while_it_has_rows(monkeypatch):
+    from contextlib import contextmanager
+
+    log = []
+
+    @contextmanager
+    def wired(model):
+        log.append("enter")
+        yield
+        log.append("exit")
+
+    monkeypatch.setattr(batch_engine, "_wired_limit", wired)
+    target = tiny_target("llama")
+    batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
+    _run(batch, [(PROMPTS[0], 12, {}), (PROMPTS[1], 20, {})], join_every=2)
+    assert log == ["enter", "exit"]  # once for the whole busy spell, released when the last row ended
+    rid = batch.add(PROMPTS[2], 8)
+    batch.step()
+    assert log == ["enter", "exit", "enter"]
+    batch.remove(rid)
+    assert log == ["enter", "exit", "enter", "exit"] and not len(batch)

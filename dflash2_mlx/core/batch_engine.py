@@ -28,6 +28,7 @@ again.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ from .engine import (
     _prefill,
     _Run,
     _take,
+    _wired_limit,
     accepted,
     generation_stream,
     peak_memory_gb,
@@ -111,6 +113,7 @@ class SpeculativeBatch:
         self.last_width = 0
         self.failures: list[tuple[int, Exception]] = []  # rows that failed alone, for `take_failures`
         self._alone_policy = _OneRow(policy) if policy is not None and drafter is not None else None
+        self._wired: contextlib.ExitStack | None = None  # the wired-memory limit, held while rows exist
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining) + len(self.ready)
@@ -139,7 +142,20 @@ class SpeculativeBatch:
             self.policy.begin()
         row = _Row(next(self._ids), run, ids, len(ids), stopper, prompt_cache, mark, n_cached, time.perf_counter())
         self.joining.append(row)
+        self._hold_wired()
         return row.id
+
+    def _hold_wired(self) -> None:
+        """Raise the wired-memory limit while any row exists, as a single stream does for its
+        generation (mlx-lm's `wired_limit`; a no-op without Metal)."""
+        if self._wired is None:
+            self._wired = contextlib.ExitStack()
+            self._wired.enter_context(_wired_limit(self.target.model))
+
+    def _release_wired_if_empty(self) -> None:
+        if self._wired is not None and not len(self):
+            self._wired, wired = None, self._wired
+            wired.close()
 
     def remove(self, row_id: int) -> None:
         """Drop a row (cancelled between steps); its prompt cache, if any, keeps what the row's
@@ -154,6 +170,7 @@ class SpeculativeBatch:
             if row.prompt_cache is not None:  # its native caches cover the prompt
                 row.prompt_cache.tokens = row.run.history[: row.run.fed]
         self._leave([r for r in self.rows if r.id == row_id])
+        self._release_wired_if_empty()
 
     def _leave(self, leaving: list[_Row]) -> None:
         if not leaving:
@@ -232,6 +249,7 @@ class SpeculativeBatch:
             elif self.rows:
                 out += self._cycle()
             self._settle()
+        self._release_wired_if_empty()
         return out
 
     def take_failures(self) -> list[tuple[int, Exception]]:
