@@ -368,15 +368,15 @@ class FailingConstraint:
     done = False
 
     def __init__(self, fail_at: int):
-        self.commits, self.fail_at = 0, fail_at
+        self.consumed, self.fail_at = 0, fail_at
 
     def apply(self, rows, drafts, allowed=None):
         return rows
 
-    def commit(self, tokens):
-        self.commits += 1
-        if self.commits == self.fail_at:
-            raise ConfigError(f"grammar broke at commit {self.commits}")
+    def consume(self, tokens):
+        self.consumed += 1
+        if self.consumed == self.fail_at:
+            raise ConfigError(f"grammar broke at cycle {self.consumed}")
 
 
 @pytest.mark.parametrize("arch", [None, "dflash2"])
@@ -392,7 +392,7 @@ def test_one_rows_error_leaves_the_other_rows_decoding(arch):
         for rid, event in batch.step():
             out.setdefault(rid, []).extend(event.tokens)
         failures += batch.take_failures()
-    assert [(rid, str(e)) for rid, e in failures] == [(bad, "grammar broke at commit 4")]
+    assert [(rid, str(e)) for rid, e in failures] == [(bad, "grammar broke at cycle 4")]
     for rid, prompt in ((ok_a, PROMPTS[0]), (ok_b, PROMPTS[2])):
         assert out[rid] == generate(target, prompt, 30, drafter=drafter).tokens
 

@@ -40,7 +40,7 @@ def test_greedy_constrained_speculation_equals_constrained_plain_decoding(family
     unconstrained = generate(target, PROMPT, max_tokens=40).tokens
     assert unconstrained != plain.tokens  # the grammar did change the output
     check = _constraint(target, grammar)
-    check.commit(plain.tokens)  # raises if any emitted token broke the grammar
+    check.consume(plain.tokens)  # raises if any emitted token broke the grammar
     assert any(c.n_drafted for c in spec.cycles) and any(c.grammar_s > 0 for c in spec.cycles)
 
 
@@ -72,7 +72,7 @@ def test_masks_walk_the_draft_path_and_roll_back():
     assert (c.walks, c.forbidden_at) == (1, [2])  # the walk above met x at position 2
     c.masks([a, b, b])
     assert (c.walks, c.forbidden_at) == (2, [2])  # an allowed path counts no forbidden draft
-    c.commit([a, b])
+    c.consume([a, b])
     assert sorted(np.nonzero(c.masks([])[0])[0].tolist()) == sorted([b, c_id])
 
 
@@ -127,7 +127,7 @@ def _masked_joint(target, n=3):
         nxt = {}
         for prefix, prob in joint.items():
             logits, _ = target.forward(mx.array([PROMPT + list(prefix)]), target.make_cache(), logits="last")
-            c.commit(list(prefix))
+            c.consume(list(prefix))
             rows = c.apply(logits[0], [])
             c.matcher.rollback(len(prefix))
             p = np.array(target_probs(rows, SamplingParams(**PARAMS))[0], dtype=np.float64)
@@ -194,13 +194,13 @@ def test_digit_runs_are_capped_so_a_number_always_ends():
     capped = GrammarConstraint(tok, V, target.eos_token_ids, grammar, digit_cap=5)
     free = _constraint(target, grammar)
     for c in (capped, free):
-        c.commit(tok.encode('{"x": 12345', add_special_tokens=False))
+        c.consume(tok.encode('{"x": 12345', add_special_tokens=False))
     digit = tok.encode("7", add_special_tokens=False)[0]
     comma_or_close = [tok.encode(ch, add_special_tokens=False)[0] for ch in "}."]
     assert free.masks([])[0][digit] and not capped.masks([])[0][digit]
     assert all(capped.masks([])[0][t] for t in comma_or_close)
     after_dot = GrammarConstraint(tok, V, target.eos_token_ids, grammar, digit_cap=5)
-    after_dot.commit(tok.encode('{"x": 12345.', add_special_tokens=False))  # a new run starts after "."
+    after_dot.consume(tok.encode('{"x": 12345.', add_special_tokens=False))  # a new run starts after "."
     assert after_dot.masks([])[0][digit]
     # along a draft path the run is counted too, and speculation still equals plain decoding
     _, rows = capped.walk([tok.encode(".", add_special_tokens=False)[0]] + [digit] * 6)

@@ -81,7 +81,7 @@ def test_published_layout_loads_and_drafts(tmp_path, target):
     ckpt = write_checkpoint(tmp_path / "d", published_v2_config(), published_v2_tensors())
     drafter = load_drafter(ckpt, target, dtype="float32")
     assert drafter.config.is_v2 and drafter.config.block_size == 8 and drafter.config.causal == (False, False)
-    proposal = drafter.propose(mx.array([5]), mx.zeros((1, 3, 3 * HIDDEN)), drafter.make_cache(), 8)
+    proposal = drafter.draft_from(mx.array([5]), mx.zeros((1, 3, 3 * HIDDEN)), drafter.make_cache(), 8)
     assert proposal.tokens.shape == (1, 7) and proposal.candidates.shape == (1, 7, 8)
 
 
@@ -163,8 +163,8 @@ def test_save_then_load_roundtrip_in_published_layout(tmp_path, target):
     assert cfg["architectures"] == ["DFlash2DraftModel"] and "selector_rank" in cfg["dflash_config"]
     again = load_drafter(out, target)
     ctx = mx.ones((1, 4, 3 * HIDDEN))
-    a = drafter.propose(mx.array([5]), ctx, drafter.make_cache(), 6).tokens
-    b = again.propose(mx.array([5]), ctx, again.make_cache(), 6).tokens
+    a = drafter.draft_from(mx.array([5]), ctx, drafter.make_cache(), 6).tokens
+    b = again.draft_from(mx.array([5]), ctx, again.make_cache(), 6).tokens
     assert a.tolist() == b.tolist()
 
 
@@ -173,7 +173,7 @@ def test_draft_bits_quantizes_and_still_drafts(tmp_path, target, bits):
     ckpt = write_checkpoint(tmp_path / "q", published_v2_config(), published_v2_tensors())
     drafter = load_drafter(ckpt, target, draft_bits=bits, dtype="float32")
     assert type(drafter.fc).__name__ == "QuantizedLinear" and drafter.fc.bits == bits
-    out = drafter.propose(mx.array([5]), mx.ones((1, 3, 3 * HIDDEN)), drafter.make_cache(), 4)
+    out = drafter.draft_from(mx.array([5]), mx.ones((1, 3, 3 * HIDDEN)), drafter.make_cache(), 4)
     assert out.tokens.shape == (1, 3)
     with pytest.raises(ConfigError, match="draft_bits must be 4 or 8, got 3"):
         load_drafter(ckpt, target, draft_bits=3)

@@ -241,10 +241,10 @@ def test_drafter_proposals_identical_on_emulated_kernel_and_ops(emu_kernel):
     anchor = mx.array([PROMPT[-1]])
     for temperature in (0.0, 0.8):
         key = mx.random.key(11) if temperature > 0 else None
-        ops = drafter.propose(anchor, hidden, drafter.make_cache(), 8, temperature, key, use_kernel=False)
+        ops = drafter.draft_from(anchor, hidden, drafter.make_cache(), 8, temperature, key, use_kernel=False)
         before = emu_kernel.launches
         with ksel.routed(emu_kernel):
-            ker = drafter.propose(anchor, hidden, drafter.make_cache(), 8, temperature, key)
+            ker = drafter.draft_from(anchor, hidden, drafter.make_cache(), 8, temperature, key)
         assert emu_kernel.launches == before + 1
         assert ker.tokens.tolist() == ops.tokens.tolist()
         assert ker.candidates.tolist() == ops.candidates.tolist()

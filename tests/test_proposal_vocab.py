@@ -49,7 +49,7 @@ def _hidden(drafter, block_size=5, seed=3):
 
 def _propose(drafter, block_size=5, temperature=0.0, key=None, seed=3):
     ctx = mx.random.normal((1, 6, 3 * HIDDEN), key=mx.random.key(seed))
-    return drafter.propose(mx.array([7]), ctx, drafter.make_cache(), block_size, temperature, key)
+    return drafter.draft_from(mx.array([7]), ctx, drafter.make_cache(), block_size, temperature, key)
 
 
 def test_vocab_ids_are_the_top_ranked_sorted(vocab, target):

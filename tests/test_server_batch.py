@@ -267,7 +267,7 @@ def test_a_failing_row_fails_alone_with_its_own_error():
         return failed.value.failure, events, good_events
 
     failure, events, good_events = asyncio.run(main())
-    assert (failure.status, failure.message) == (400, "grammar broke at commit 3")
+    assert (failure.status, failure.message) == (400, "grammar broke at cycle 3")
     assert [t for e in events for t in e.tokens] == session.generate(PROMPTS[0], max_tokens=40).tokens
     assert [t for e in good_events for t in e.tokens] == session.generate(PROMPTS[2], max_tokens=25).tokens
 

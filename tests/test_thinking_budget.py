@@ -31,9 +31,9 @@ def test_the_walk_forces_the_end_marker_once_the_budget_is_spent():
     assert [_allowed(r) for r in rows] == ["all", "all", [40], [41], "all", "all"]
     _, unrepaired = budget.walk([3, 4, 5, 6], repair=False)  # sampled: the verify rejects draft 5
     assert [_allowed(r) for r in unrepaired] == ["all", "all", [40], "all", "all"]
-    budget.commit([3, 4])  # the walks above left the state alone; commits move it
+    budget.consume([3, 4])  # the walks above left the state alone; consuming moves it
     assert _allowed(budget.masks([])[0]) == [40]
-    budget.commit([40, 41])
+    budget.consume([40, 41])
     assert (budget.forced, budget.state.inside, budget.done) == (2, False, False)
 
 

@@ -81,7 +81,7 @@ def accepts(tokenizer, grammar: str, text: str) -> bool:
     for t in tokenizer.encode(text, add_special_tokens=False):
         if not constraint.masks([])[0][t]:
             return False
-        constraint.commit([t])
+        constraint.consume([t])
     return bool(constraint.masks([])[0][EOS])
 
 

@@ -11,7 +11,7 @@ history). A cycle of width w (the same for every row, chosen per cycle by a poli
    are emptied per row, recurrent state replayed per row) and feeds those states to its
    context.
 
-Token choice is the single-stream engine's own code (`propose`, `verdict`, `accepted`,
+Token choice is the single-stream engine's own code (`draft`, `verdict`, `accepted`,
 `_choose`), so every greedy row equals its single-stream output. Rows join between cycles:
 a new row's prompt is prefilled alone, up to `prefill_step_size` tokens per `step` shared by
 the joining rows (running rows keep decoding), then its single-row caches are appended to
@@ -52,9 +52,9 @@ from .engine import (
     _take,
     _wired_limit,
     accepted,
+    draft,
     generation_stream,
     peak_memory_gb,
-    propose,
     start_run,
     verdict,
 )
@@ -99,9 +99,9 @@ class SpeculativeBatch:
         if drafter is not None and drafter.target is not target:
             raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
         self.target, self.drafter, self.policy = target, drafter, policy
-        self.width = block_size or (drafter.config.block_size if drafter is not None else 1)
-        if drafter is not None and self.width < 2:
-            raise ConfigError(f"block_size must be >= 2 for speculative decoding, got {self.width}")
+        self.max_width = block_size or (drafter.config.block_size if drafter is not None else 1)
+        if drafter is not None and self.max_width < 2:
+            raise ConfigError(f"block_size must be >= 2 for speculative decoding, got {self.max_width}")
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.prefill_step_size, self.fast_greedy = prefill_step_size, fast_greedy
         self.cache = batch_cache.empty_batch(target)
@@ -135,8 +135,9 @@ class SpeculativeBatch:
         if not ids or max_tokens < 1:
             raise ConfigError(f"a row needs a prompt and max_tokens >= 1, got {len(ids)} prompt tokens, "
                               f"max_tokens {max_tokens}")
-        run, n_cached, mark = start_run(self.target, self.drafter, ids, max_tokens, self.width, params, prompt_cache,
-                                        top_logprobs=top_logprobs, constraint=constraint, prompt_len=len(ids))
+        run, n_cached, mark = start_run(self.target, self.drafter, ids, max_tokens, self.max_width, params,
+                                        prompt_cache, top_logprobs=top_logprobs, constraint=constraint,
+                                        prompt_len=len(ids))
         stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
         if self.policy is not None:
             self.policy.begin()
@@ -195,7 +196,7 @@ class SpeculativeBatch:
         """The last row left in the batch takes its caches back as single-row ones."""
         run = self.rows[0].run
         pc = self.rows[0].prompt_cache
-        run.target_cache = batch_cache.row_cache(self.cache, 0, max(self.width, pc.reserve if pc else 0))
+        run.target_cache = batch_cache.row_cache(self.cache, 0, max(self.max_width, pc.reserve if pc else 0))
         if pc is not None:
             pc.target_cache = run.target_cache  # the same objects, as a single stream shares them
         self.cache = batch_cache.empty_batch(self.target)
@@ -297,7 +298,7 @@ class SpeculativeBatch:
 
     def _cycle(self) -> list:
         B = len(self.rows)
-        w = 1 if self.drafter is None else self.width
+        w = 1 if self.drafter is None else self.max_width
         if self.policy is not None and w > 1:
             w = max(1, min(self.policy.next_width(w, B), w))
         self.last_width = w
@@ -341,7 +342,7 @@ class SpeculativeBatch:
         run = row.run
         pipeline = not self.joining and not self.ready and _can_pipeline(run)  # a joining row waits for no queue
         try:
-            emitted, cycle, logprobs = _next_cycle(run, self.width if self.drafter is not None else 1,
+            emitted, cycle, logprobs = _next_cycle(run, self.max_width if self.drafter is not None else 1,
                                                    row.stopper.max_tokens - len(row.stopper.tokens),
                                                    self._alone_policy, pipeline)
             kept, finish = _take(run, row.stopper, emitted)
@@ -362,7 +363,7 @@ class SpeculativeBatch:
 
     def _speculate(self, runs: list[_Run], w: int, failed: dict):
         blank = (None, mx.zeros((w - 1,), mx.int32), None, 0.0)  # a failed row's place in the verify
-        proposals = [_guarded(failed, b, propose, run, w) or blank for b, run in enumerate(runs)]
+        proposals = [_guarded(failed, b, draft, run, w) or blank for b, run in enumerate(runs)]
         drafts = mx.stack([p[1].astype(mx.int32) for p in proposals])
         anchors = mx.array([[run.history[-1]] for run in runs], dtype=drafts.dtype)
         mx.eval(drafts)

@@ -127,7 +127,7 @@ def _time_target(target, cache, taps, tokens: mx.array) -> tuple[float, mx.array
 
 def _time_drafter(drafter, cache, anchor: mx.array, ctx: mx.array, width: int) -> float:
     t0 = time.perf_counter()
-    proposal = drafter.propose(anchor, ctx, cache, width, 0.0)
+    proposal = drafter.draft_from(anchor, ctx, cache, width, 0.0)
     mx.eval(proposal.tokens)
     return time.perf_counter() - t0
 
@@ -146,7 +146,7 @@ def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONT
     _, hidden = target.forward(ids[:, :n_context], cache, taps, "last")
     draft_cache = drafter.make_cache()
     anchor = ids[0, n_context : n_context + 1]
-    mx.eval(drafter.propose(anchor, hidden, draft_cache, 2, 0.0).tokens)
+    mx.eval(drafter.draft_from(anchor, hidden, draft_cache, 2, 0.0).tokens)
     target_s = [[] for _ in range(max_width)]
     draft_s = [[] for _ in range(max_width)]
     for rnd in range(repeats + 1):

@@ -205,7 +205,7 @@ class GrammarConstraint:
         the masks `walk` already computed for these drafts, else they are computed here)."""
         return masked(rows, self.masks(drafts) if allowed is None else allowed)
 
-    def commit(self, tokens: list[int]) -> None:
+    def consume(self, tokens: list[int]) -> None:
         t0 = time.perf_counter()
         for t in tokens:
             if self.matcher.is_stopped():

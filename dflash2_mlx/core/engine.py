@@ -1,4 +1,4 @@
-"""The decoding loop: prefill → (propose → verify → commit)* with exact rollback.
+"""The decoding loop: prefill → (draft → verify → commit)* with exact rollback.
 
 One generator drives both plain autoregressive decoding (`drafter=None`, or a cycle of width
 1) and speculative decoding, so they share every line that picks tokens. Each cycle:
@@ -11,7 +11,7 @@ One generator drives both plain autoregressive decoding (`drafter=None`, or a cy
    the drafter's context; emitted = accepted drafts + the next token.
 
 State is explicit in `_Run` (caches, RNG key, history); nothing is stored on the models.
-A proposed token equal to the drafter's mask id is an ordinary token.
+A drafted token equal to the drafter's mask id is an ordinary token.
 
 Glossary: *width* (the `block_size` argument, `CycleStats.width`) is the verify block, the
 anchor plus `width - 1` drafts; *τ* is tokens emitted per speculative cycle (`stats.tau`).
@@ -297,7 +297,7 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
         return _follow_speculative(run, width)
     t0 = time.perf_counter()
     anchor = run.history[-1]
-    proposal, drafts, allowed, grammar_s = propose(run, width)
+    proposal, drafts, allowed, grammar_s = draft(run, width)
     if run.lockstep is not None:  # the same drafts on every rank, then (accepted, next) below
         drafts = run.lockstep.share(drafts)
     run.target.arm(run.target_cache)
@@ -338,7 +338,7 @@ def _follow_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats, N
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), 0.0, time.perf_counter() - t0), None
 
 
-def propose(run: _Run, width: int):
+def draft(run: _Run, width: int):
     """Draft `width - 1` tokens after the run's last token: (proposal, drafts [width - 1]
     (lazy unless the host needs them), the grammar's allowed sets or None, grammar seconds).
     Under a grammar with masked drafts, forbidden drafts are repaired before the verify."""
@@ -604,7 +604,7 @@ def _take(run: _Run, stopper: Stopper, emitted: list[int]) -> tuple[list[int], s
     run.history.extend(emitted)
     if run.constraint is None:
         return kept, finish
-    run.constraint.commit(emitted)
+    run.constraint.consume(emitted)
     return kept, finish or ("stop" if run.constraint.done else None)
 
 

@@ -78,7 +78,7 @@ class BatchPolicy(Protocol):
 @runtime_checkable
 class Constraint(Protocol):
     """Masks the target's rows along a draft path (`GrammarConstraint`, `ThinkingBudget`): row 0
-    in the committed state, row i+1 after drafts[0..i]; `commit` the tokens a cycle emits."""
+    in the state after the emitted tokens, row i+1 after drafts[0..i]; `consume` the tokens a cycle emits."""
 
     mask_drafts: bool  # greedy: forbidden drafts are repaired before the verify (`walk`)
 
@@ -88,7 +88,7 @@ class Constraint(Protocol):
 
     def apply(self, rows: mx.array, drafts: list[int], allowed: np.ndarray | None = None) -> mx.array: ...
 
-    def commit(self, tokens: list[int]) -> None: ...
+    def consume(self, tokens: list[int]) -> None: ...
 
     @property
     def done(self) -> bool: ...

@@ -111,10 +111,10 @@ class ThinkingBudget:
         """`rows [R, V]` with the tokens forbidden at each row set to -inf."""
         return masked(rows, self.masks(drafts) if allowed is None else allowed)
 
-    def commit(self, tokens: list[int]) -> None:
+    def consume(self, tokens: list[int]) -> None:
         for i, token in enumerate(tokens):
             if self._hands_over(self.state):
-                self.then.commit(tokens[i:])
+                self.then.consume(tokens[i:])
                 return
             self.forced += self._forced(self.state) is not None
             self.state = self._advance(self.state, token)

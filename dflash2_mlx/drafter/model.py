@@ -262,9 +262,9 @@ class Drafter(nn.Module):
     def draft(self, anchor: mx.array, context: DraftContext, block_size: int, temperature: float = 0.0,
               key: mx.array | None = None) -> Proposal:
         """Draft after `anchor [B]` from `context`, which reads (and caches) its pending states."""
-        return self.propose(anchor, context.take(), context.cache, block_size, temperature, key)
+        return self.draft_from(anchor, context.take(), context.cache, block_size, temperature, key)
 
-    def propose(self, anchor: mx.array, target_hidden: mx.array, cache: list, block_size: int,
+    def draft_from(self, anchor: mx.array, target_hidden: mx.array, cache: list, block_size: int,
                 temperature: float = 0.0, key: mx.array | None = None,
                 use_kernel: bool | None = None) -> Proposal:
         """Draft `block_size - 1` tokens after `anchor [B]`.

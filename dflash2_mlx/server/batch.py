@@ -49,7 +49,7 @@ class BatchRun:
         return len(self.jobs)
 
     @property
-    def width(self) -> int:
+    def last_width(self) -> int:
         """The last cycle's verify width (1: plain batched decoding; 0: none ran yet)."""
         return self.engine.last_width
 

@@ -511,7 +511,7 @@ class GenerationWorker:
                 self._finish(job)
                 self._end(job)
         if self.metrics is not None:
-            self.metrics.batch_cycle(batch.width, batch.rows_tau())
+            self.metrics.batch_cycle(batch.last_width, batch.rows_tau())
             self.metrics.prefill(*batch.prefilling())
 
     def _fail_batch(self, batch, failure: Failed) -> None:

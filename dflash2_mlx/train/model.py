@@ -6,7 +6,7 @@ positions strictly before t_a (inside the sliding window) and the keys of their 
 (bidirectional, or causal for causal layers); never another block. The layer code (norms,
 convolutions, MLP, residuals) is the inference code (`DraftLayer.__call__`); only the
 attention sublayer differs, and a test checks that one block trained this way equals
-`Drafter.propose`'s forward.
+`Drafter.draft_from`'s forward.
 """
 
 from __future__ import annotations

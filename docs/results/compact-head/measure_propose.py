@@ -1,6 +1,6 @@
 """Drafter pass time of the demo pair with and without the compact proposal head.
 
-Median of repeated `drafter.propose` calls (mx.eval on the drafts) after a 128-token context,
+Median of repeated `drafter.draft_from` calls (mx.eval on the drafts) after a 128-token context,
 at blocks 4 and 8, for each proposal vocab size; sizes alternate within every round so machine
 noise hits all of them alike. Prints a table and writes propose.json next to this file.
 
@@ -30,7 +30,7 @@ def propose_ms(drafter, hidden, block: int, reps: int) -> list[float]:
         cache = drafter.make_cache()  # 127 context rows, then the timed pass adds the 128th
         mx.eval(drafter.hidden_states(mx.array([[5] + [16] * (block - 1)]), hidden[:, :-1], cache))
         t = time.perf_counter()
-        mx.eval(drafter.propose(mx.array([7]), hidden[:, -1:], cache, block).tokens)
+        mx.eval(drafter.draft_from(mx.array([7]), hidden[:, -1:], cache, block).tokens)
         out.append((time.perf_counter() - t) * 1e3)
     return out
 

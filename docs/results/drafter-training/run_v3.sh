@@ -16,10 +16,11 @@ stage_data() {
   done
   wait
 }
+# SEGMENTS (e.g. 6-9) limits the rebuild to the segments a run reads (default: every done one).
 rebuild_features() {
   for k in 0 1; do
     dflash2 train prepare-data smollm2-demo --out $D/pool --n-prompts 16384 --taps $TAPS --rebuild-features \
-        --worker $k/2 &
+        ${SEGMENTS:+--segments $SEGMENTS} --worker $k/2 &
   done
   wait
   dflash2 train prepare-data smollm2-demo --out $D/eval --heldout --n-prompts 128 --segment-size 64 \
@@ -49,8 +50,12 @@ stage_ab() {
 #    v3: STEPS=4450 (resumed from 20000 at step 2,250), SHARDS='onp-0000[0-3]-*', WARM = v2.
 #    v4: STEPS=3125 (resumed from 3800 at the step-2,500 checkpoint), SHARDS='onp-0000[0-5]-*',
 #        OUT=runs/v4-long, WARM = v3 (`git archive 37b5f81 models/smollm2-135m-dflash2 | tar -x -C /tmp/v3`).
-#    v5 (started 2026-12-03 17:22, resumable): STEPS=6000 SHARDS='onp-0000[0-9]-*' OUT=runs/v5-long,
+#    v5 (started 2026-12-03 17:22): STEPS=6000 SHARDS='onp-0000[0-9]-*' OUT=runs/v5-long,
 #        WARM = v4 (models/smollm2-135m-dflash2 at f9af743, exported); segments 6-9 rebuilt with `rebuild`.
+#        Lost at step 1,750 with its machine (checkpoints are not committed).
+#    v5b (2026-12-03, stop 32, on a fresh machine): SEGMENTS=6-9 run_v3.sh rebuild (two cores, ~45 min),
+#        then STEPS=3000 SHARDS='onp-0000[6-9]-*' OUT=runs/v5b WARM=models/smollm2-135m-dflash2 (v4):
+#        the four segments v4 never saw, ~48 min on one core.
 stage_long() {
   dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
       --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd \
