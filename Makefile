@@ -25,8 +25,10 @@ install-test: $(BIN)/python
 demo: install
 	$(BIN)/dflash2 run "$(PROMPT)" --max-tokens 64
 
+# One pytest worker per core (--dist loadfile keeps a file's module fixtures in one worker);
+# the slowest tests are listed at the end, so a run creeping toward 10 minutes shows why.
 test: install-test lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile --durations=15
 
 lint: install-test
 	$(BIN)/ruff check dflash2_mlx tests
