@@ -10,7 +10,7 @@ the two ways results are shown.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import Callable
 
 from .core.chat import encode_prompt
@@ -36,15 +36,29 @@ def parse_block_size(value) -> int | str | None:
 
 @dataclass
 class Session:
+    """`block_size` (an int, "auto" or None: the drafter's trained size) is resolved once into
+    `width`, the widest verify block (1 without a drafter), and `adaptive`, whether a policy
+    picks each cycle's width up to it; nothing downstream reads the raw value again."""
+
     spec: object  # hub.ModelSpec, or a stand-in with its fields
     target: TargetModel
     drafter: DraftModel | None
-    block_size: int | str | None
+    block_size: InitVar[int | str | None]
     notes: list[str] = field(default_factory=list)
     kv_bits: int | None = None  # the target's full-attention K/V quantized (every cache this session makes)
     kv_group_size: int | None = None
     lockstep: Lockstep | None = None  # set when launched sharded over processes
     _policy: object | None = None  # one adaptive policy per session: it keeps learning across requests
+    width: int = field(init=False)
+    adaptive: bool = field(init=False)
+
+    def __post_init__(self, block_size) -> None:
+        size = parse_block_size(block_size)
+        self.adaptive = self.drafter is not None and size == "auto"
+        if self.drafter is None:
+            self.width = 1
+        else:
+            self.width = size if isinstance(size, int) else self.drafter.config.block_size
 
     @classmethod
     def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
@@ -110,7 +124,7 @@ class Session:
         """The one-time work before the first generation, done now rather than inside it: for
         `--block-size auto`, this machine's cost calibration (measured once, then cached).
         Returns a line saying what the policy starts from, or None when there is nothing to do."""
-        if self.drafter is None or self.block_size != "auto" or self._policy is not None:
+        if not self.adaptive or self._policy is not None:
             return None
         from .core.calibration import auto_policy
 
@@ -124,29 +138,22 @@ class Session:
                 "follows the measured acceptance, down to plain decoding when drafts do not pay")
 
     def _width_and_policy(self, sampling: SamplingParams | None = None):
-        if self.lockstep is not None:  # a fixed width; the engine gives every rank rank 0's
-            return self.block_size or (self.drafter.config.block_size if self.drafter is not None else None), None
-        if self.drafter is None:
+        if self.drafter is None:  # plain decoding (a sharded target's other ranks get rank 0's width)
             return None, None
-        if self.block_size == "auto" and sampling is not None and sampling.seed is not None and not sampling.greedy:
+        if not self.adaptive or (sampling is not None and sampling.seed is not None and not sampling.greedy):
             # the policy's widths follow wall-clock timings, and each width draws the RNG its own
-            # way: a seeded sampled request decodes at the trained width so that it repeats
-            return self.drafter.config.block_size, None
-        if self.block_size == "auto":
-            from .core.calibration import auto_policy
+            # way: a seeded sampled request decodes at the full width so that it repeats
+            return self.width, None
+        from .core.calibration import auto_policy
 
-            self._policy = self._policy or auto_policy(self.target, self.drafter)
-            return self.drafter.config.block_size, self._policy
-        return self.block_size or self.drafter.config.block_size, None
+        self._policy = self._policy or auto_policy(self.target, self.drafter)
+        return self.width, self._policy
 
     def prompt_cache(self):
         """An empty `PromptCache` for this pair, wide enough for its verify blocks."""
         from .core.prompt_cache import DEFAULT_RESERVE, PromptCache
 
-        width = 1 if self.drafter is None else self.drafter.config.block_size
-        if isinstance(self.block_size, int):
-            width = self.block_size
-        return PromptCache(self.target, self.drafter, reserve=max(DEFAULT_RESERVE, width), kv_bits=self.kv_bits,
+        return PromptCache(self.target, self.drafter, reserve=max(DEFAULT_RESERVE, self.width), kv_bits=self.kv_bits,
                            kv_group_size=self.kv_group_size)
 
     def stream(self, prompt, sampling: SamplingParams | None = None, max_tokens: int = 256, stop=(),

@@ -308,3 +308,29 @@ def test_a_seeded_sampled_request_repeats_under_auto(isolated):
     assert again.tokens == first.tokens
     widths = [c.width for c in first.cycles]
     assert set(widths[:-3]) == {4}  # the trained width, not the policy's (the last ones are cut by max_tokens)
+
+
+@pytest.mark.parametrize("block_size, drafted, width, adaptive", [
+    ("auto", True, 4, True), (None, True, 4, False), (3, True, 3, False), ("6", True, 6, False),
+    ("auto", False, 1, False), (None, False, 1, False)])
+def test_a_session_resolves_its_block_size_once(block_size, drafted, width, adaptive):
+    from dflash2_mlx.session import Session
+
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=4) if drafted else None
+    session = Session(spec=None, target=target, drafter=drafter, block_size=block_size)
+    assert (session.width, session.adaptive) == (width, adaptive)
+    assert session.prompt_cache().reserve >= width
+
+
+@pytest.mark.parametrize("bad", ["wide", 1, "0"])
+def test_a_session_refuses_a_bad_block_size_naming_it(bad):
+    from dflash2_mlx.errors import ConfigError
+    from dflash2_mlx.session import Session
+
+    from tiny import tiny_target
+
+    with pytest.raises(ConfigError, match=f"--block-size must be an integer >= 2 or 'auto', got '?{bad}'?"):
+        Session(spec=None, target=tiny_target("llama"), drafter=None, block_size=bad)

@@ -26,7 +26,7 @@ def batchable(job) -> bool:
 
 def batch_policy(session):
     """The batch's width policy for a session: None (its fixed width) unless `--block-size auto`."""
-    if session.drafter is None or session.block_size != "auto":
+    if not session.adaptive:
         return None
     from ..core.block_policy import BatchWidthPolicy
 
@@ -39,8 +39,7 @@ class BatchRun:
     """The running batch: `add` a job, `step` once per worker turn, `remove` a cancelled one."""
 
     def __init__(self, session, prefill_chunk: int, policy=None):
-        width = session.block_size if isinstance(session.block_size, int) else None
-        self.engine = SpeculativeBatch(session.target, session.drafter, block_size=width, policy=policy,
+        self.engine = SpeculativeBatch(session.target, session.drafter, block_size=session.width, policy=policy,
                                        prefill_step_size=prefill_chunk)
         self.jobs: dict[int, object] = {}  # row id -> job
         self.caches: dict[int, object] = {}  # row id -> its PromptCache (from the pool), if any

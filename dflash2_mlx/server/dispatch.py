@@ -128,9 +128,8 @@ def speculation_info(state: ServerState) -> dict:
     if session.drafter is None:
         return {"drafter": None, "width_policy": "plain", "active": False,
                 "fallback_reason": "no drafter is loaded: every request decodes plainly"}
-    fixed = session.block_size or session.drafter.config.block_size
     info = {"drafter": public_name(session.spec.drafter),
-            "width_policy": "auto" if fixed == "auto" else f"fixed {fixed}",
+            "width_policy": "auto" if session.adaptive else f"fixed {session.width}",
             "active": True, "fallback_reason": None, "tokens_per_cycle": round(state.metrics.tokens_per_cycle(), 4)}
     policy = session.policy
     if policy is not None:
