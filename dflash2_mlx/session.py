@@ -64,13 +64,13 @@ class Session:
     def open(cls, model: str | None = None, drafter: str | None = None, draft_bits: int | None = None,
              block_size=None, progress: bool = True, dtype: str | None = None,
              draft_vocab: int | None = None, kv_bits: int | None = None,
-             kv_group_size: int | None = None, distributed: bool = True) -> "Session":
+             kv_group_size: int | None = None, distributed: bool = True, shard: str = "tensor") -> "Session":
         from . import hub
-        from .core.distributed import launched
+        from .core.distributed import agree_taps, launched
         from .drafter.load import load_drafter
         from .target import load_target
 
-        lockstep = launched() if distributed else None
+        lockstep = launched(shard) if distributed else None
         spec = hub.resolve(model, drafter, progress=progress and (lockstep is None or lockstep.leader))
         defaults = dict(spec.defaults)
         target = load_target(spec.target, dtype=dtype or defaults.get("dtype"), lockstep=lockstep)
@@ -80,8 +80,12 @@ class Session:
             vocab = draft_vocab if draft_vocab is not None else defaults.get("draft_vocab")
             draft = load_drafter(spec.drafter, target, draft_bits=bits, head_bits=defaults.get("draft_head_bits"),
                                  draft_vocab=vocab)
+        if lockstep is not None:
+            agree_taps(lockstep, target, tuple(draft.config.target_layer_ids) if draft is not None else ())
         size = parse_block_size(block_size if block_size is not None else defaults.get("block_size"))
         notes = list(spec.notes)
+        if lockstep is None and shard != "tensor":
+            notes.append(f"--shard {shard} applies under mlx.launch only: this process holds the whole target")
         if lockstep is not None and size == "auto":  # measured per process: ranks would disagree
             size = None
             notes.append("a sharded target decodes at a fixed width: the drafter's trained block size (pass "
@@ -176,7 +180,8 @@ class Session:
         kv = f", {self.kv_bits}-bit K/V (groups of {self.kv_group_size})" if self.kv_bits else ""
         if self.lockstep is not None:
             d = self.lockstep.describe()
-            kv += f", target sharded over {d['size']} ranks ({d['backend']}, tensor parallel; drafter on rank 0)"
+            how = "tensor parallel" if d["mode"] == "tensor" else "pipeline stages"
+            kv += f", target sharded over {d['size']} ranks ({d['backend']}, {how}; drafter on rank 0)"
         return f"{self.spec.name}: target {self.spec.target}, {draft}{kv}"
 
 

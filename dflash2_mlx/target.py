@@ -137,34 +137,51 @@ class Target:
         self._sink = _TapSink(fast_recurrent_replay)
         self._head = _resolve_head(model, self.inner)
         self._transform = _logit_transform(self.args)
-        self._replayers: dict[int, nn.Module] = {}
+        self._replayers: dict[int, nn.Module] = {}  # by the layer's place in the caches
         self.stacked_replay = stacked_replay
+        # Pipelined, every forward gathers these taps from the stages that hold them, on every
+        # rank alike (rank 0's drafter's ids, agreed once: `distributed.agree_taps`).
+        self.pipeline_taps: tuple[int, ...] = ()
         self._wrap_layers(fast_recurrent_replay)
         self.info = self._probe()
 
     # -- construction ---------------------------------------------------------------
 
     def _wrap_layers(self, fast_replay: bool) -> None:
-        layers = self.inner.layers
+        # A pipeline stage holds layers start..end-1 (None before them) and caches for those only,
+        # so a layer's cache (and its replayer) sits at its index less the stage's start.
+        layers, start = self.inner.layers, self.stage_start
         kinds = self.base_cache()
-        if layers and isinstance(layers[0], HiddenTap):
+        owned = [(i, layer) for i, layer in enumerate(layers) if layer is not None]
+        if owned and isinstance(owned[0][1], HiddenTap):
             return self._share_wrapping(kinds, fast_replay)
-        for i, layer in enumerate(layers):
-            if type(kinds[i]).__name__ == "ArraysCache":
-                layer, self._replayers[i] = install_replay(layer, fast=fast_replay)
+        for i, layer in owned:
+            if type(kinds[i - start]).__name__ == "ArraysCache":
+                layer, self._replayers[i - start] = install_replay(layer, fast=fast_replay)
             layers[i] = HiddenTap(layer, i, self._sink)
 
     def _share_wrapping(self, kinds: list, fast_replay: bool) -> None:
         # Another Target wrapped this model: wrapping its taps again would hide the mixers
         # (generic replay only), so share its taps and replayers instead.
-        layers = self.inner.layers
-        self._sink = layers[0].sink
-        recurrent = [i for i, c in enumerate(kinds) if type(c).__name__ == "ArraysCache"]
+        layers, start = self.inner.layers, self.stage_start
+        self._sink = next(layer for layer in layers if layer is not None).sink
+        recurrent = [j for j, c in enumerate(kinds) if type(c).__name__ == "ArraysCache"]
         if recurrent and self._sink.fast_replay != fast_replay:
             raise ConfigError(f"this model already has a Target with fast_recurrent_replay={self._sink.fast_replay}; "
                               f"a second one cannot use {fast_replay}")
-        for i in recurrent:
-            _, self._replayers[i] = install_replay(layers[i].inner, fast=fast_replay)
+        for j in recurrent:
+            _, self._replayers[j] = install_replay(layers[start + j].inner, fast=fast_replay)
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether this process holds one stage of a pipeline (mlx-lm's `pipeline(group)`): a
+        slice of the decoder layers, the rest on the other ranks of the default group."""
+        return getattr(self.inner, "pipeline_size", 1) > 1
+
+    @property
+    def stage_start(self) -> int:
+        """The first decoder layer this process holds (0 unless pipelined)."""
+        return getattr(self.inner, "start_idx", 0) if self.pipelined else 0
 
     def base_cache(self) -> list:
         """mlx-lm's own fresh caches for this model (no rollback adapters)."""
@@ -177,6 +194,8 @@ class Target:
     def _probe(self) -> TargetInfo:
         tokens = mx.array([[t % self.vocab_size for t in _PROBE_IDS]])
         reference = self.model(tokens, cache=self.base_cache())
+        if self.pipelined:  # one pass at a time: every rank runs the passes' collectives in one order
+            mx.eval(reference)
         self._sink.want_input = True
         try:
             hidden = self.inner(tokens, cache=self.base_cache())
@@ -184,6 +203,10 @@ class Target:
             self._sink.want_input = False
         ours = self._transform(self._head(hidden))
         layer0_input, self._sink.layer0_input = self._sink.layer0_input, None
+        if self.pipelined:  # layer 0 is on the last rank: every rank gets its input
+            mx.eval(ours)
+            layer0_input = mx.distributed.all_sum(layer0_input if layer0_input is not None else
+                                                  mx.zeros(hidden.shape, hidden.dtype))
         mx.eval(reference, ours, layer0_input)
         tol = 1e-2 * (1.0 + mx.abs(reference).max().item())
         head_ok = bool(mx.abs(reference.astype(mx.float32) - ours.astype(mx.float32)).max().item() <= tol)
@@ -191,13 +214,21 @@ class Target:
             log.warning("target head differs from model(x) for %s; using the full forward", self.model_type)
         return TargetInfo(
             model_type=self.model_type,
-            n_layers=len(self.inner.layers),
+            n_layers=self._n_layers(),
             hidden_size=int(hidden.shape[-1]),
             vocab_size=int(reference.shape[-1]),
             embed_scale=self._measure_embed_scale(tokens, layer0_input),
             head_matches_model=head_ok,
             recurrent_layers=tuple(sorted(self._replayers)),
         )
+
+    def _n_layers(self) -> int:
+        if not self.pipelined:
+            return len(self.inner.layers)
+        n = getattr(self.args, "num_hidden_layers", None)
+        if n is None:
+            raise ConfigError(f"cannot tell how many layers the pipelined {self.model_type} model has")
+        return int(n)
 
     def _measure_embed_scale(self, tokens: mx.array, layer0_input: mx.array) -> float | None:
         """The scale s with layer0_input == embed_tokens(x) * s, up to the model's own rounding."""
@@ -331,23 +362,43 @@ class Target:
         Returns:
             (logits [1, L or 1, V] or None, hidden [1, L, len(taps)·H] or None)
         """
-        self._sink.wanted = frozenset(taps)
+        if self.pipelined and not set(taps) <= set(self.pipeline_taps):
+            raise ConfigError(f"a pipelined target gathers the taps agreed at start {list(self.pipeline_taps)}, "
+                              f"not {list(taps)}")
+        self._sink.wanted = frozenset(self.pipeline_taps if self.pipelined else taps)
         try:
             if self.info.head_matches_model:
-                h = self.inner(tokens, cache=cache)
+                h = final = self.inner(tokens, cache=cache)
                 out = None
                 if logits == "all":
                     out = self.logits(h)
                 elif logits == "last":
                     out = self.logits(h[:, -1:])
             else:
-                out = self.model(tokens, cache=cache)
+                out = final = self.model(tokens, cache=cache)
                 out = out[:, -1:] if logits == "last" else (None if logits == "none" else out)
-            hidden = mx.concatenate([self._sink.outputs[i] for i in taps], axis=-1) if taps else None
+            if self.pipelined:
+                hidden = self._gathered_taps(tokens.shape, taps, final)
+            else:
+                hidden = mx.concatenate([self._sink.outputs[i] for i in taps], axis=-1) if taps else None
         finally:
             self._sink.wanted = frozenset()
             self._sink.outputs = {}
         return out, hidden
+
+    def _gathered_taps(self, shape: tuple, taps: tuple[int, ...], final: mx.array) -> mx.array | None:
+        """The agreed taps of this pass from every stage (each rank adds the ones it holds, zeros
+        for the rest), then those asked for, in their order. The sum comes after the pass's own
+        collectives and is evaluated here, on every rank alike: ranks must run the same
+        collectives in the same order, and a follower never reads the taps."""
+        if not self.pipeline_taps:
+            return None
+        B, L = shape[0], shape[1]
+        zeros = mx.zeros((B, L, self.hidden_size), self.activation_dtype)
+        parts = mx.depends(mx.stack([self._sink.outputs.get(i, zeros) for i in self.pipeline_taps]), final)
+        gathered = mx.distributed.all_sum(parts)
+        mx.eval(gathered)
+        return mx.concatenate([gathered[self.pipeline_taps.index(i)] for i in taps], axis=-1) if taps else None
 
     def arm(self, cache: list) -> None:
         """Checkpoint recurrent state before a verify pass that may be partly rejected."""
@@ -410,8 +461,8 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
     Args:
         dtype: cast floating weights ("float32", "bfloat16", "float16") except those the
             family keeps (its `cast_predicate`, as mlx-lm's convert does); None keeps them.
-        lockstep: a `distributed.Lockstep`: shard the decoder layers over its group
-            (tensor parallel) before wrapping.
+        lockstep: a `distributed.Lockstep`: shard the decoder layers over its group (tensor
+            parallel, or pipeline stages: its `mode`) before wrapping.
     """
     from mlx_lm import load
 
@@ -424,8 +475,8 @@ def load_target(path_or_repo: str, dtype: str | None = None, fast_recurrent_repl
             raise ConfigError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
         _cast(model, getattr(mx, dtype))
     if lockstep is not None:
-        from .core.distributed import shard_model
+        from .core.distributed import split_model
 
-        shard_model(model, lockstep)
+        split_model(model, lockstep)
     return Target(model, tokenizer, path=str(path_or_repo), fast_recurrent_replay=fast_recurrent_replay,
                   stacked_replay=stacked_replay)

@@ -3,6 +3,7 @@ output equals the sharded target's plain output token for token, every rank emit
 and partial acceptance (recurrent rollback included) stays exact."""
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -28,13 +29,19 @@ def launch(*args, timeout: int = 240) -> subprocess.CompletedProcess:
 
 
 # qwen3's mlx-lm `shard` splits q/k/v/o and the MLP exactly as llama's does, so llama stands for
-# both (each launch costs ~30 s of ring latency on 2 cores); qwen3_5 adds GatedDeltaNet heads.
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
-def test_sharded_speculation_equals_sharded_plain_decoding(family, tmp_path):
-    proc = launch(WORKER, family, tmp_path)
+# both (each launch costs ~30 s of ring latency on 2 cores); qwen3_5 adds GatedDeltaNet heads, and
+# is the tiny family mlx-lm can also pipeline (rank 1 layers 0-1, rank 0 layers 2-3: the drafter's
+# taps come from both stages).
+@pytest.mark.parametrize("family, mode", [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")])
+def test_sharded_speculation_equals_sharded_plain_decoding(family, mode, tmp_path):
+    proc = launch(WORKER, family, tmp_path, mode)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert r0["info"]["size"] == 2 and r0["info"]["backend"] == "ring" and r0["info"]["mode"] == "tensor"
+    assert r0["info"] == {"size": 2, "rank": 0, "backend": "ring", "mode": mode}
+    if mode == "pipeline":  # the same sums in the same order as one process: exact
+        assert r0["taps_error"] == 0.0 and r0["plain"] == r0["single"]
+    else:  # the heads' partial sums are added across ranks: fp32 rounding
+        assert r0["taps_error"] < 1e-3
     for key in ("plain", "spec", "spec_accepted", "partial", "partial_accepted", "seeded", "seeded_plain"):
         assert r0[key] == r1[key], key  # every rank emits what rank 0 decided
     assert len(r0["plain"]) == 24 and len(set(r0["plain"])) > 5
@@ -133,6 +140,38 @@ def _rank_pid(rank: int, marker: str) -> int:
             if any(part.endswith(b"python") or b"python3" in part for part in cmdline[:1]):
                 return int(proc.name)
     raise AssertionError(f"no rank {rank} process with {marker!r}")
+
+
+def test_dflash2_run_pipelined_under_mlx_launch_equals_one_process(tmp_path):
+    from tiny import save_tiny_pair
+
+    target, drafter = save_tiny_pair(tmp_path, "qwen3_5", block_size=4)
+    cli = Path(sys.executable).parent / "dflash2"
+    args = ["run", target, "--drafter", drafter, "--no-chat-template", "abc", "--max-tokens", "16", "--block-size", "4",
+            "--json"]
+    proc = launch(cli, *args, "--shard", "pipeline")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    piped = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert piped["distributed"] == {"size": 2, "rank": 0, "backend": "ring", "mode": "pipeline"}
+    alone = subprocess.run([str(cli), *map(str, args), "--drafter", "none", "--shard", "pipeline"],
+                           capture_output=True, text=True, timeout=240)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    single = json.loads(alone.stdout)
+    assert single["token_ids"] == piped["token_ids"] and single["distributed"] is None
+    assert any("--shard pipeline applies under mlx.launch only" in n for n in single["notes"])
+
+
+def test_a_model_mlx_lm_cannot_pipeline_is_refused_by_name():
+    from dflash2_mlx.core.distributed import Lockstep, split_model
+    from dflash2_mlx.errors import ConfigError
+
+    from tiny import tiny_model
+
+    refusal = "mlx-lm cannot pipeline a llama model (no pipeline()); use --shard tensor"
+    with pytest.raises(ConfigError, match=re.escape(refusal)):
+        split_model(tiny_model("llama"), Lockstep(group=None, mode="pipeline"))
+    with pytest.raises(ConfigError, match="--shard must be one of tensor, pipeline, got 'rows'"):
+        split_model(tiny_model("llama"), Lockstep(group=None, mode="rows"))
 
 
 def test_a_group_the_heads_cannot_be_split_over_is_refused_by_name():

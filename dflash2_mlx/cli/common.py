@@ -39,6 +39,10 @@ KvBitsOpt = Annotated[Optional[int], typer.Option("--kv-bits", help="Store the t
 KvGroupSizeOpt = Annotated[Optional[int], typer.Option("--kv-group-size", help="Quantization group of --kv-bits: 32, "
                                                        "64 or 128 (default 64, or 32 where 64 does not divide the "
                                                        "head dimension).")]
+ShardOpt = Annotated[str, typer.Option("--shard", help="Under mlx.launch: how the target is split over the ranks: "
+                                                     "tensor (each layer's heads; most families) or pipeline "
+                                                     "(consecutive layers per rank, where mlx-lm can: qwen3_5, "
+                                                     "deepseek_v41, kimi_k3, ...). The drafter runs on rank 0.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 
 

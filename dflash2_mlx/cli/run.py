@@ -19,6 +19,7 @@ from .common import (
     MaxTokensOpt,
     ModelArg,
     SeedOpt,
+    ShardOpt,
     TempOpt,
     TopKOpt,
     TopPOpt,
@@ -62,6 +63,7 @@ def run(
     draft_vocab: DraftVocabOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = None,
+    shard: ShardOpt = "tensor",
     system: Annotated[Optional[str], typer.Option("--system", help="System prompt for the chat template.")] = None,
     no_chat_template: Annotated[bool, typer.Option("--no-chat-template", help="Feed PROMPT as raw text.")] = False,
     think: Annotated[Optional[bool], typer.Option("--think/--no-think", help="Thinking mode for models that "
@@ -79,7 +81,7 @@ def run(
         prompt, model = model, None  # `dflash2 run "a prompt"` uses the default pair
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out, draft_vocab=draft_vocab, kv_bits=kv_bits,
-                           kv_group_size=kv_group_size)
+                           kv_group_size=kv_group_size, shard=shard)
     sampling = session.sampling(temperature=temp, top_p=top_p, top_k=top_k, seed=seed)
     warn_slow_blas()
     ready = session.prepare()

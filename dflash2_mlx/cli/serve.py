@@ -19,6 +19,7 @@ from .common import (
     KvBitsOpt,
     KvGroupSizeOpt,
     ModelArg,
+    ShardOpt,
     user_errors,
     warn_slow_blas,
 )
@@ -139,6 +140,7 @@ def serve(
     draft_bits: DraftBitsOpt = None,
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = None,
+    shard: ShardOpt = "tensor",
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level.")] = "info",
     json_out: JsonOpt = False,
 ) -> None:
@@ -162,7 +164,7 @@ def serve(
                    "shell history); set DFLASH2_API_KEY instead", err=True)
     check_kv_batching(kv_bits, max_batch)  # before the model loads
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
-                           progress=not json_out, kv_bits=kv_bits, kv_group_size=kv_group_size)
+                           progress=not json_out, kv_bits=kv_bits, kv_group_size=kv_group_size, shard=shard)
     if session.lockstep is not None:
         config = _sharded(session, config)
         if config is None:  # a rank other than 0: it decoded what rank 0 served, until it stopped

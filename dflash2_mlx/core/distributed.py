@@ -1,11 +1,14 @@
 """Speculation over a target sharded across processes (`mlx.launch`, any MLX backend).
 
-Every rank holds a tensor-parallel shard of the target (mlx-lm's `Model.shard`) and runs the
+Every rank holds a tensor-parallel shard of the target (mlx-lm's `Model.shard`), or one stage
+of a pipeline (`pipeline(group)`, where mlx-lm has it: rank 0 the last layers), and runs the
 same decoding loop in lockstep; rank 0 alone holds the drafter and is authoritative: it drafts,
 decides acceptance and samples, and each cycle shares the drafts and then (accepted count, next
 token) with the others as small int arrays (an `all_sum` in which only rank 0 contributes). The
 verify pass itself is collective (the shards' all-reduces), so every rank's caches see the same
-tokens, and each rolls its own back (recurrent layers included) by the shared count.
+tokens, and each rolls its own back (recurrent layers included) by the shared count. Pipelined,
+the drafter's taps live on the stages that hold their layers: every pass sums them to every rank
+(`Target.pipeline_taps`, agreed once with `agree_taps`).
 """
 
 from __future__ import annotations
@@ -16,12 +19,15 @@ import mlx.core as mx
 
 from ..errors import ConfigError
 
+SHARD_MODES = ("tensor", "pipeline")
+
 
 @dataclass
 class Lockstep:
     """This process's place in a launched group, and the one collective the decoder adds."""
 
     group: object  # mx.distributed.Group
+    mode: str = "tensor"  # or "pipeline"
 
     @property
     def rank(self) -> int:
@@ -42,8 +48,8 @@ class Lockstep:
         x = x.astype(mx.int32)
         return mx.distributed.all_sum(x if self.leader else x * 0, group=self.group)
 
-    def describe(self, mode: str = "tensor") -> dict:
-        return {"size": self.size, "rank": self.rank, "backend": backend_name(), "mode": mode}
+    def describe(self) -> dict:
+        return {"size": self.size, "rank": self.rank, "backend": backend_name(), "mode": self.mode}
 
 
 def backend_name() -> str:
@@ -59,12 +65,15 @@ def backend_name() -> str:
     return "unknown"
 
 
-def launched() -> Lockstep | None:
-    """The group this process was launched into by `mlx.launch`, or None when it runs alone."""
+def launched(mode: str = "tensor") -> Lockstep | None:
+    """The group this process was launched into by `mlx.launch` (sharded the way `mode` says),
+    or None when it runs alone."""
+    if mode not in SHARD_MODES:
+        raise ConfigError(f"--shard must be one of {', '.join(SHARD_MODES)}, got {mode!r}")
     if not mx.distributed.is_available():
         return None
     group = mx.distributed.init()
-    return Lockstep(group) if group.size() > 1 else None
+    return Lockstep(group, mode) if group.size() > 1 else None
 
 
 def check_shardable(args, size: int) -> None:
@@ -98,6 +107,40 @@ def shard_model(model, lockstep: Lockstep) -> None:
         if hasattr(owner, "sharding_group"):
             owner.sharding_group = None
     mx.eval(model.parameters())
+
+
+def split_model(model, lockstep: Lockstep) -> None:
+    """Shard `model` over the group the way `lockstep.mode` says."""
+    if lockstep.mode not in SHARD_MODES:
+        raise ConfigError(f"--shard must be one of {', '.join(SHARD_MODES)}, got {lockstep.mode!r}")
+    (shard_model if lockstep.mode == "tensor" else pipeline_model)(model, lockstep)
+
+
+def pipeline_model(model, lockstep: Lockstep) -> None:
+    """One pipeline stage of `model`'s decoder layers per rank (mlx-lm's own `pipeline`: rank 0
+    the last layers, so it holds the head's input; embedding and head stay on every rank)."""
+    from ..target import _inner_model
+
+    inner = _inner_model(model)
+    kind = getattr(model, "model_type", type(model).__name__)
+    if not hasattr(inner, "pipeline"):
+        raise ConfigError(f"mlx-lm cannot pipeline a {kind} model (no pipeline()); use --shard tensor")
+    if len(inner.layers) < lockstep.size:
+        raise ConfigError(f"cannot pipeline {len(inner.layers)} layers over {lockstep.size} ranks")
+    inner.pipeline(lockstep.group)
+    mx.eval(model.parameters())
+
+
+def agree_taps(lockstep: Lockstep, target, taps: tuple[int, ...]) -> None:
+    """Pipelined: every rank learns the taps rank 0's drafters read (`taps` on rank 0; the others'
+    are ignored), so that every pass gathers them from the stages that hold them. Every rank
+    calls this once, before decoding."""
+    if not target.pipelined:
+        return
+    mine = list(taps) if lockstep.leader else []
+    n = int(lockstep.share(mx.array([len(mine)])).item())
+    ids = lockstep.share(mx.array(mine or [0] * n)).tolist() if n else []
+    target.pipeline_taps = tuple(ids)
 
 
 # -- serving: rank 0 takes the requests, the others decode each one with it ----------------
