@@ -54,6 +54,7 @@ from .engine import (
     accepted,
     draft,
     generation_stream,
+    generation_tps,
     peak_memory_gb,
     start_run,
     verdict,
@@ -414,12 +415,11 @@ class SpeculativeBatch:
         return emitted, [0] * len(runs), [_logprob_list(i, e) for i, e in zip(infos, emitted)], t1
 
     def _event(self, row: _Row, tokens: list[int], cycle, finish, logprobs) -> GenerationEvent:
-        now = time.perf_counter()
-        row.first_at = row.first_at or now
+        row.first_at = row.first_at or time.perf_counter()
         n = len(row.stopper.tokens)
         stopper = row.stopper
         return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, row.n_prompt,
-                               row.prompt_tps, n, (n - 1) / max(now - row.first_at, 1e-9) if n > 1 else 0.0,
+                               row.prompt_tps, n, generation_tps(n, row.first_at),
                                peak_memory_gb(), stopper.matched if finish == "stop" else None,
                                logprobs[: len(tokens)] if logprobs is not None else None, row.n_cached)
 

@@ -173,6 +173,12 @@ def _wired_limit(model):
     return wired_limit(model)
 
 
+def generation_tps(n_tokens: int, since: float) -> float:
+    """Tokens per second since the first token was ready at `since` (the first one counted, as
+    mlx-lm's `stream_generate` reports it); one rule for the single stream and the batch's rows."""
+    return n_tokens / max(time.perf_counter() - since, 1e-9)
+
+
 def peak_memory_gb() -> float:
     """MLX's peak allocation; where the backend does not track it (CPU), the process's peak RSS."""
     peak = mx.get_peak_memory()
@@ -559,7 +565,7 @@ def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, w
         def event(tokens, cycle, finish, logprobs):
             n = len(stopper.tokens)
             return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
-                                   prompt_tps, n, n / max(time.perf_counter() - tic, 1e-9),
+                                   prompt_tps, n, generation_tps(n, tic),
                                    peak_memory_gb(), stopper.matched if finish == "stop" else None,
                                    logprobs[: len(tokens)] if logprobs is not None else None, n_cached)
 
