@@ -306,7 +306,8 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     proposal, drafts, allowed, grammar_s = draft(run, width)
     if run.lockstep is not None:  # the same drafts on every rank, then (accepted, next) below
         drafts = run.lockstep.share(drafts)
-        mx.eval(drafts)  # before the verify: a pipeline stage's receive does not wait on them in the graph
+        if run.target.pipelined:  # before the verify: a stage's receive does not wait on them in the graph
+            mx.eval(drafts)
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
@@ -334,7 +335,8 @@ def _follow_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats, N
     keep what rank 0 decided."""
     t0 = time.perf_counter()
     drafts = run.lockstep.share(mx.zeros((width - 1,), mx.int32))
-    mx.eval(drafts)  # as rank 0 does, before the verify
+    if run.target.pipelined:  # as rank 0 does, before the verify
+        mx.eval(drafts)
     run.target.arm(run.target_cache)
     verify_in = mx.concatenate([mx.array([run.history[-1]], dtype=mx.int32), drafts])[None]
     logits, _ = run.target.forward(verify_in, run.target_cache, (), "last")

@@ -26,6 +26,9 @@ class TargetModel(Protocol):
     @property
     def eos_token_ids(self) -> set[int]: ...
 
+    @property
+    def pipelined(self) -> bool: ...  # one stage of a pipeline over processes (`distributed.py`)
+
     def make_cache(self, reserve: int = 16, kv_bits: int | None = None,
                    kv_group_size: int | None = None) -> list: ...
 
