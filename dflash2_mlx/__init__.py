@@ -14,8 +14,8 @@ from ._version import __version__
 # Lazy exports: importing the package (e.g. for `dflash2 --help`) must not load MLX/mlx-lm.
 _EXPORTS = {
     "load_target": ".target", "Target": ".target", "load_drafter": ".hub",
-    "stream_generate": ".core.engine", "generate": ".core.engine", "GenerationEvent": ".core.engine",
-    "GenerationResult": ".core.engine", "SamplingParams": ".core.sampling", "PromptCache": ".core.prompt_cache",
+    "stream_generate": ".core.engine", "generate": ".core.engine", "GenerationEvent": ".core.events",
+    "GenerationResult": ".core.events", "SamplingParams": ".core.sampling", "PromptCache": ".core.prompt_cache",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .core import stats
-from .core.engine import CycleStats, stream_generate
+from .core.engine import stream_generate
+from .core.events import CycleStats
 from .core.interfaces import DraftModel, WidthPolicy
 from .core.sampling import SamplingParams
 from .errors import ConfigError

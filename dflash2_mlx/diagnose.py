@@ -197,7 +197,7 @@ class DiagnoseReport:
         chosen = [p for p in self.prompts if suite is None or p.suite == suite]
         out = position_stats([r for p in chosen for r in p.records], self.settings["top_k"])
         from .core import stats
-        from .core.engine import CycleStats
+        from .core.events import CycleStats
 
         cycles = [CycleStats(*c) for p in chosen for c in p.actual_cycles]
         if out.get("n_anchors"):

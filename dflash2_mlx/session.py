@@ -15,7 +15,8 @@ from typing import Callable
 
 from .core.chat import encode_prompt
 from .core.distributed import Lockstep
-from .core.engine import GenerationResult, collect, stream_generate
+from .core.engine import stream_generate
+from .core.events import GenerationResult, collect
 from .core.interfaces import DraftModel, TargetModel
 from .core.sampling import SamplingParams
 from .errors import ConfigError

@@ -16,7 +16,7 @@ from dflash2_mlx.bench import (
     run_bench,
     summarize,
 )
-from dflash2_mlx.core.engine import CycleStats
+from dflash2_mlx.core.events import CycleStats
 from dflash2_mlx.core.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompts import Prompt, SuitePrompts

@@ -18,7 +18,7 @@ from dflash2_mlx.core.block_policy import (
     expected_rates,
     expected_tokens,
 )
-from dflash2_mlx.core.engine import CycleStats
+from dflash2_mlx.core.events import CycleStats
 
 
 def linear_costs(max_width, per_token, draft_s, plain_s=1.0):

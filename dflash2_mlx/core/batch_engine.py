@@ -40,8 +40,6 @@ from . import batch_cache
 from .engine import (
     CLEAR_CACHE_EVERY,
     DEFAULT_PREFILL_STEP,
-    CycleStats,
-    GenerationEvent,
     _can_pipeline,
     _choose,
     _logprob_list,
@@ -59,6 +57,7 @@ from .engine import (
     start_run,
     verdict,
 )
+from .events import CycleStats, GenerationEvent
 from .interfaces import BatchPolicy, DraftModel, TargetModel
 from .sampling import SamplingParams
 from .stopper import Stopper

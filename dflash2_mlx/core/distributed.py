@@ -119,9 +119,8 @@ def split_model(model, lockstep: Lockstep) -> None:
 def pipeline_model(model, lockstep: Lockstep) -> None:
     """One pipeline stage of `model`'s decoder layers per rank (mlx-lm's own `pipeline`: rank 0
     the last layers, so it holds the head's input; embedding and head stay on every rank)."""
-    from ..target import _inner_model
-
-    inner = _inner_model(model)
+    text = getattr(model, "language_model", model)  # a multimodal wrapper holds its text model
+    inner = getattr(text, "model", None)  # the decoder, where mlx-lm's PipelineMixin sits
     kind = getattr(model, "model_type", type(model).__name__)
     if not hasattr(inner, "pipeline"):
         raise ConfigError(f"mlx-lm cannot pipeline a {kind} model (no pipeline()); use --shard tensor")

@@ -54,8 +54,8 @@ stage_ab() {
 #        WARM = v4 (models/smollm2-135m-dflash2 at f9af743, exported); segments 6-9 rebuilt with `rebuild`.
 #        Lost at step 1,750 with its machine (checkpoints are not committed).
 #    v5b (2026-12-03, stop 32, on a fresh machine): SEGMENTS=6-9 run_v3.sh rebuild (two cores, ~45 min),
-#        then STEPS=3000 SHARDS='onp-0000[6-9]-*' OUT=runs/v5b WARM=models/smollm2-135m-dflash2 (v4):
-#        the four segments v4 never saw, ~48 min on one core.
+#        then STEPS=2500 SHARDS='onp-0000[6-9]-*' OUT=runs/v5b WARM=models/smollm2-135m-dflash2 (v4):
+#        the four segments v4 never saw, ~40 min on one core.
 stage_long() {
   dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
       --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd \

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from dflash2_mlx.core import block_policy as bp  # noqa: E402
-from dflash2_mlx.core.engine import CycleStats  # noqa: E402
+from dflash2_mlx.core.events import CycleStats  # noqa: E402
 
 SECONDS = {1: 0.074, 2: 0.088, 3: 0.096, 4: 0.103}  # cycle times of bench_v4's fixed-width runs
 CALIBRATED = bp.Costs((0.0709, 0.0776, 0.0859, 0.0941), (0.0, 0.0113, 0.0113, 0.0113))  # its calibration
