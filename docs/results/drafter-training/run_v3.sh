@@ -53,12 +53,16 @@ stage_ab() {
 #    v5 (started 2026-12-03 17:22): STEPS=6000 SHARDS='onp-0000[0-9]-*' OUT=runs/v5-long,
 #        WARM = v4 (models/smollm2-135m-dflash2 at f9af743, exported); segments 6-9 rebuilt with `rebuild`.
 #        Lost at step 1,750 with its machine (checkpoints are not committed).
-#    v5b (2026-12-03, stop 32, on a fresh machine): SEGMENTS=6-9 run_v3.sh rebuild (two cores, ~45 min),
-#        then STEPS=2500 SHARDS='onp-0000[6-9]-*' OUT=runs/v5b WARM=models/smollm2-135m-dflash2 (v4):
-#        the four segments v4 never saw, ~40 min on one core.
+#    v5b (2026-12-03, stop 32, on a fresh machine): SEGMENTS=6-9 run_v3.sh rebuild (two cores, ~70 min
+#        while tests shared them), then two arms side by side, one core each, warm from v4
+#        (models/smollm2-135m-dflash2 at 72cbfb5) on the four segments v4 never saw:
+#          A: STEPS=2500 SHARDS='onp-0000[6-9]-*' OUT=runs/v5b
+#          B: the same with LR=3e-4 OUT=runs/v5b-lr3e-4
+#        both stopped and resumed with STEPS=2000 (A at its step-1,500 checkpoint, B at 1,250) so the
+#        decay ended inside the session.
 stage_long() {
   dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
-      --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr 1e-3 --schedule wsd \
+      --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr "${LR:-1e-3}" --schedule wsd \
       --train-vocab models/smollm2-135m-dflash2/proposal_vocab.json --train-vocab-size 8192 --taps 1,8,14,20,27 \
       --steps "${STEPS:-20000}" --eval-every 1000 --save-every 250 --eval-blocks 4,8 --seed 0 \
       --out "${OUT:-runs/v3-long}" --shards "${SHARDS:-onp-0000[0-3]-*}" --resume
