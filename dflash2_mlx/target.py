@@ -142,6 +142,8 @@ class Target:
         # Pipelined, every forward gathers these taps from the stages that hold them, on every
         # rank alike (rank 0's drafter's ids, agreed once: `distributed.agree_taps`).
         self.pipeline_taps: tuple[int, ...] = ()
+        # fixed once the model is loaded (`pipeline(group)` runs before this), read on every forward
+        self._pipelined = getattr(self.inner, "pipeline_size", 1) > 1
         self._wrap_layers(fast_recurrent_replay)
         self.info = self._probe()
 
@@ -176,12 +178,12 @@ class Target:
     def pipelined(self) -> bool:
         """Whether this process holds one stage of a pipeline (mlx-lm's `pipeline(group)`): a
         slice of the decoder layers, the rest on the other ranks of the default group."""
-        return getattr(self.inner, "pipeline_size", 1) > 1
+        return self._pipelined
 
     @property
     def stage_start(self) -> int:
         """The first decoder layer this process holds (0 unless pipelined)."""
-        return getattr(self.inner, "start_idx", 0) if self.pipelined else 0
+        return self.inner.start_idx if self._pipelined else 0
 
     def base_cache(self) -> list:
         """mlx-lm's own fresh caches for this model (no rollback adapters)."""

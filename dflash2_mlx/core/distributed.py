@@ -68,8 +68,7 @@ def backend_name() -> str:
 def launched(mode: str = "tensor") -> Lockstep | None:
     """The group this process was launched into by `mlx.launch` (sharded the way `mode` says),
     or None when it runs alone."""
-    if mode not in SHARD_MODES:
-        raise ConfigError(f"--shard must be one of {', '.join(SHARD_MODES)}, got {mode!r}")
+    check_shard_mode(mode)
     if not mx.distributed.is_available():
         return None
     group = mx.distributed.init()
@@ -109,10 +108,14 @@ def shard_model(model, lockstep: Lockstep) -> None:
     mx.eval(model.parameters())
 
 
+def check_shard_mode(mode: str) -> None:
+    if mode not in SHARD_MODES:
+        raise ConfigError(f"--shard must be one of {', '.join(SHARD_MODES)}, got {mode!r}")
+
+
 def split_model(model, lockstep: Lockstep) -> None:
     """Shard `model` over the group the way `lockstep.mode` says."""
-    if lockstep.mode not in SHARD_MODES:
-        raise ConfigError(f"--shard must be one of {', '.join(SHARD_MODES)}, got {lockstep.mode!r}")
+    check_shard_mode(lockstep.mode)
     (shard_model if lockstep.mode == "tensor" else pipeline_model)(model, lockstep)
 
 
