@@ -14,7 +14,7 @@ from ._version import __version__
 # Lazy exports: importing the package (e.g. for `dflash2 --help`) must not load MLX/mlx-lm.
 _EXPORTS = {
     "load_target": ".target", "Target": ".target", "load_drafter": ".hub",
-    "stream_generate": ".core.engine", "generate": ".core.engine", "GenerationEvent": ".core.events",
+    "stream_generate": ".core.generate", "generate": ".core.generate", "GenerationEvent": ".core.events",
     "GenerationResult": ".core.events", "SamplingParams": ".core.sampling", "PromptCache": ".core.prompt_cache",
 }
 

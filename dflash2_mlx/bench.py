@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from .core import stats
-from .core.engine import stream_generate
 from .core.events import CycleStats
+from .core.generate import stream_generate
 from .core.interfaces import DraftModel, WidthPolicy
 from .core.sampling import SamplingParams
 from .errors import ConfigError

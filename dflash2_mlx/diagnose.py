@@ -224,7 +224,7 @@ class DiagnoseReport:
 def diagnose_prompt(target, drafter, prompt: Prompt, ids: list[int], max_tokens: int, block_size: int,
                     stride: int = 1, top_k: int | None = None, actual: bool = True) -> PromptDiagnosis:
     """Ground truth by plain greedy decoding, the teacher-forced anchors, and the real run."""
-    from .core.engine import generate
+    from .core.generate import generate
 
     truth = generate(target, ids, max_tokens=max_tokens).tokens
     records = collect_anchors(target, drafter, ids + truth, len(ids), block_size, stride, top_k)

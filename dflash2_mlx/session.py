@@ -15,8 +15,8 @@ from typing import Callable
 
 from .core.chat import encode_prompt
 from .core.distributed import Lockstep
-from .core.engine import stream_generate
 from .core.events import GenerationResult, collect
+from .core.generate import stream_generate
 from .core.interfaces import DraftModel, TargetModel
 from .core.sampling import SamplingParams
 from .errors import ConfigError
@@ -142,7 +142,8 @@ class Session:
                 f"costs {ratios} plain steps here, so speculation {verdict} beat plain decoding; the width "
                 "follows the measured acceptance, down to plain decoding when drafts do not pay")
 
-    def _width_and_policy(self, sampling: SamplingParams | None = None):
+    def speculation(self, sampling: SamplingParams | None = None):
+        """(block size, width policy or None) for a reply decoding on its own with `sampling`."""
         if self.drafter is None:  # plain decoding (a sharded target's other ranks get rank 0's width)
             return None, None
         if not self.adaptive or (sampling is not None and sampling.seed is not None and not sampling.greedy):
@@ -166,7 +167,7 @@ class Session:
         """Engine events for a prompt; `engine` passes on to `stream_generate` (e.g. `on_prefill`)."""
         ids = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) \
             else self.encode(prompt, system=system, raw=raw, think=think)
-        width, policy = self._width_and_policy(sampling)
+        width, policy = self.speculation(sampling)
         engine = {"kv_bits": self.kv_bits, "kv_group_size": self.kv_group_size, "lockstep": self.lockstep} | engine
         return stream_generate(self.target, ids, max_tokens, drafter=self.drafter, sampling=sampling,
                                block_size=width, stop=stop, block_policy=policy, **engine)

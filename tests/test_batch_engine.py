@@ -232,8 +232,17 @@ def _kv(n):
 def test_bad_rows_fail_with_values():
     target = tiny_target("llama")
     batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
-    with pytest.raises(ConfigError, match="needs a prompt and max_tokens >= 1, got 3 prompt tokens, max_tokens 0"):
+    with pytest.raises(ConfigError, match="max_tokens must be >= 1, got 0"):
         batch.add([1, 2, 3], 0)
+    with pytest.raises(ConfigError, match="the prompt is empty"):
+        batch.add([], 4)
+    with pytest.raises(ConfigError, match=r"prompt token ids \[500\] are outside the vocab \(size 97\)"):
+        batch.add([1, 500], 4)
+    wide = tiny_target("llama", head_dim=32)
+    quantized = SpeculativeBatch(wide, tiny_drafter(wide, "dflash2", block_size=4), kv_bits=8)
+    quantized.add([1, 2, 3], 4)
+    with pytest.raises(ConfigError, match=r"one row at a time \(8-bit K/V\); it has 1 already"):
+        quantized.add([1, 2, 3], 4)
     with pytest.raises(ConfigError, match="block_size must be >= 2"):
         SpeculativeBatch(target, tiny_drafter(target, "dflash2"), block_size=1)
 
@@ -436,7 +445,26 @@ def test_a_row_alone_runs_on_native_caches_and_turns_ragged_and_back(family, arc
         assert out[rid] == generate(target, prompt, n, drafter=drafter).tokens
 
 
-def test_a_row_alone_equals_the_single_stream_cycle_for_cycle():
+def test_batched_cycles_draft_no_further_than_the_rows_limits():
+    target = tiny_target("llama")
+    drafter = tiny_drafter(target, "dflash2", block_size=6)
+    batch = SpeculativeBatch(target, drafter)
+    rows = {batch.add(PROMPTS[0], 4): 4, batch.add(PROMPTS[1], 3): 3}
+    made, widths = dict.fromkeys(rows, 0), []
+    while len(batch):
+        events = batch.step()
+        for rid, ev in events:  # first tokens come before the cycle of the same step
+            made[rid] += len(ev.tokens) if ev.cycle is None else 0
+        left = max(rows[r] - made[r] for r in rows)
+        for rid, ev in events:
+            if ev.cycle is not None:
+                made[rid] += len(ev.tokens)
+                widths.append((ev.cycle.width, left))
+    assert widths and all(w <= left for w, left in widths)  # the batched cycle is capped, not width 6
+    assert made == rows
+
+
+def test_stream_generate_is_the_decoder_of_one_row():
     target = tiny_target("qwen3_5")
     drafter = tiny_drafter(target, "dflash2", block_size=4)
     ref = generate(target, PROMPTS[2], 25, drafter=drafter)

@@ -6,7 +6,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from dflash2_mlx.core.engine import generate
+from dflash2_mlx.core.generate import generate
 from dflash2_mlx.diagnose import AnchorRecord, accept_length, collect_anchors, position_stats, run_diagnose
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.prompts import Prompt, SuitePrompts

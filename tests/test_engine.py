@@ -206,11 +206,12 @@ def test_stop_search_equals_the_naive_search_and_reads_only_the_tail(monkeypatch
 def test_generation_runs_inside_the_wired_limit_and_clears_the_cache_unchanged(monkeypatch):
     from contextlib import contextmanager
 
-    from dflash2_mlx.core import engine
+    from dflash2_mlx.core import batch_engine
+    from dflash2_mlx.core import events as events_module
 
     target = tiny_target("llama")
     drafter = tiny_drafter(target, "dflash2", block_size=4)
-    monkeypatch.setattr(engine, "CLEAR_CACHE_EVERY", 10**9)
+    monkeypatch.setattr(batch_engine, "CLEAR_CACHE_EVERY", 10**9)
     baseline = generate(target, PROMPT, drafter=drafter, max_tokens=40)
     log, cleared, clear = [], [], mx.clear_cache
 
@@ -220,13 +221,13 @@ def test_generation_runs_inside_the_wired_limit_and_clears_the_cache_unchanged(m
         yield
         log.append("exit")
 
-    monkeypatch.setattr(engine, "_wired_limit", wired)
-    monkeypatch.setattr(engine, "CLEAR_CACHE_EVERY", 2)
+    monkeypatch.setattr(batch_engine, "_wired_limit", wired)
+    monkeypatch.setattr(batch_engine, "CLEAR_CACHE_EVERY", 2)
     monkeypatch.setattr(mx, "clear_cache", lambda: (cleared.append(1), clear())[1])
     events = stream_generate(target, PROMPT, drafter=drafter, max_tokens=40)
     first = next(events)
     assert log == [("enter", target.model)]  # entered before the prefill, still held
-    result = engine.collect([first, *events])
+    result = events_module.collect([first, *events])
     assert log == [("enter", target.model), "exit"]
     assert result.tokens == baseline.tokens and result.text == baseline.text
     assert len(cleared) == len(result.cycles) // 2 > 0

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash2_mlx.core.engine import stream_generate
+from dflash2_mlx.core.generate import stream_generate
 from dflash2_mlx.core.sampling import SamplingParams
 from dflash2_mlx.errors import ConfigError
 from dflash2_mlx.server import capacity

@@ -1,4 +1,7 @@
-"""Speculative decoding of many rows at once: per-row drafts, one batched verify.
+"""The decoder: rows decoding speculatively together, per-row drafts, one batched verify.
+
+Every reply decodes here, alone or beside others: `generate.stream_generate` is a decoder of
+one row, and the server's worker schedules its requests over one.
 
 Each row is an engine `_Run` (its own sampling, RNG key, drafter context, penalties, grammar,
 history). A cycle of width w (the same for every row, chosen per cycle by a policy):
@@ -37,6 +40,7 @@ import mlx.core as mx
 
 from ..errors import ConfigError
 from . import batch_cache
+from .distributed import Lockstep
 from .engine import (
     CLEAR_CACHE_EVERY,
     DEFAULT_PREFILL_STEP,
@@ -46,6 +50,7 @@ from .engine import (
     _logprobs,
     _next_cycle,
     _prefill,
+    _rank0_says,
     _Run,
     _take,
     _wired_limit,
@@ -58,7 +63,7 @@ from .engine import (
     verdict,
 )
 from .events import CycleStats, GenerationEvent
-from .interfaces import BatchPolicy, DraftModel, TargetModel
+from .interfaces import BatchPolicy, DraftModel, TargetModel, WidthPolicy
 from .sampling import SamplingParams
 from .stopper import Stopper
 
@@ -76,6 +81,7 @@ class _Row:
     mark: object | None
     n_cached: int
     started: float
+    on_prefill: object | None = None  # `(n_done, n_total) -> bool | None` before each prompt chunk
     prompt_tps: float = 0.0
     first_at: float | None = None
 
@@ -88,14 +94,26 @@ class SpeculativeBatch:
         block_size: the widest verify block (default the drafter's trained block size).
         policy: picks each cycle's width, `next_width(max_width, batch) -> int` and
             `observe(batch, cycle, rows)` (`BatchWidthPolicy`); None: always `block_size`.
+        alone_policy: the `WidthPolicy` of a row decoding alone (default: `policy` at batch
+            size 1).
         prefill_step_size: prompt tokens prefilled per `step` for a joining row.
         fast_greedy: plain steps of bare greedy rows take one argmax over the batch (False:
             each row's own `_choose`, the slow twin the tests compare).
+        kv_bits, kv_group_size: quantized full-attention K/V (mlx-lm's `QuantizedKVCache`),
+            one row at a time: batched rows do not quantize.
+        overlap: a row alone builds its verify graph while its drafts compute (default: on GPU
+            backends; on the CPU backend host work and kernels share the same cores).
+        pipelined: a row alone queues its next plain step before reading the last token back,
+            as mlx-lm does; False runs the one-step-at-a-time twin.
+        lockstep: a `distributed.Lockstep` when the target is sharded over launched processes:
+            one row at a time, rank 0's decisions hold for every rank (see `distributed.py`).
     """
 
     def __init__(self, target: TargetModel, drafter: DraftModel | None = None, *, block_size: int | None = None,
-                 policy: BatchPolicy | None = None,
-                 prefill_step_size: int = DEFAULT_PREFILL_STEP, fast_greedy: bool = True):
+                 policy: BatchPolicy | None = None, alone_policy: WidthPolicy | None = None,
+                 prefill_step_size: int = DEFAULT_PREFILL_STEP, fast_greedy: bool = True,
+                 kv_bits: int | None = None, kv_group_size: int | None = None, overlap: bool | None = None,
+                 pipelined: bool = True, lockstep: Lockstep | None = None):
         if drafter is not None and drafter.target is not target:
             raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
         self.target, self.drafter, self.policy = target, drafter, policy
@@ -104,6 +122,9 @@ class SpeculativeBatch:
             raise ConfigError(f"block_size must be >= 2 for speculative decoding, got {self.max_width}")
         self.taps = tuple(drafter.config.target_layer_ids) if drafter is not None else ()
         self.prefill_step_size, self.fast_greedy = prefill_step_size, fast_greedy
+        self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
+        self.overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
+        self.pipelined, self.lockstep = pipelined, lockstep
         self.cache = batch_cache.empty_batch(target)
         self.rows: list[_Row] = []  # decoding, in the order of the batch's rows
         self.joining: collections.deque[_Row] = collections.deque()  # prompts being prefilled
@@ -112,8 +133,13 @@ class SpeculativeBatch:
         self.n_cycles = 0
         self.last_width = 0
         self.failures: list[tuple[int, Exception]] = []  # rows that failed alone, for `take_failures`
-        self._alone_policy = _OneRow(policy) if policy is not None and drafter is not None else None
+        self._alone_policy = alone_policy or (_OneRow(policy) if policy is not None and drafter is not None else None)
         self._wired: contextlib.ExitStack | None = None  # the wired-memory limit, held while rows exist
+
+    @property
+    def one_row(self) -> bool:
+        """Whether rows decode one at a time: quantized K/V, or a target sharded over processes."""
+        return self.kv["kv_bits"] is not None or self.lockstep is not None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining) + len(self.ready)
@@ -126,25 +152,33 @@ class SpeculativeBatch:
     # -- rows in and out ----------------------------------------------------------------------
 
     def add(self, prompt_ids: list[int], max_tokens: int, *, sampling: SamplingParams | None = None,
-            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None) -> int:
+            stop=(), top_logprobs: int | None = None, constraint=None, prompt_cache=None, on_prefill=None) -> int:
         """Queue a row for `prompt_ids`; its prompt is prefilled over the next steps. Returns
         the row's id. `prompt_cache` (a `PromptCache` for this pair) supplies the prefix it
-        reaches exactly and gets the row's caches back when it ends."""
+        reaches exactly and gets the row's caches back when it ends. `on_prefill(n_done,
+        n_total)` runs before each prompt chunk; a False return cancels the row quietly."""
+        if self.one_row and len(self):
+            raise ConfigError(f"this decoder runs one row at a time ({self._one_row_why()}); "
+                              f"it has {len(self)} already")
         params = sampling or SamplingParams()
         ids = list(prompt_ids)
-        if not ids or max_tokens < 1:
-            raise ConfigError(f"a row needs a prompt and max_tokens >= 1, got {len(ids)} prompt tokens, "
-                              f"max_tokens {max_tokens}")
         run, n_cached, mark = start_run(self.target, self.drafter, ids, max_tokens, self.max_width, params,
                                         prompt_cache, top_logprobs=top_logprobs, constraint=constraint,
-                                        prompt_len=len(ids))
+                                        prompt_len=len(ids), overlap=self.overlap, lockstep=self.lockstep,
+                                        **self.kv)
         stopper = Stopper(self.target.tokenizer, self.target.eos_token_ids, list(stop), max_tokens)
-        if self.policy is not None:
-            self.policy.begin()
-        row = _Row(next(self._ids), run, ids, len(ids), stopper, prompt_cache, mark, n_cached, time.perf_counter())
+        for policy in (self.policy, self._alone_policy):  # (the batch policy's one-row view does nothing)
+            if policy is not None:
+                policy.begin()
+        row = _Row(next(self._ids), run, ids, len(ids), stopper, prompt_cache, mark, n_cached, time.perf_counter(),
+                   on_prefill)
         self.joining.append(row)
-        self._hold_wired()
         return row.id
+
+    def _one_row_why(self) -> str:
+        if self.lockstep is not None:
+            return f"a target sharded over {self.lockstep.size} ranks"
+        return f"{self.kv['kv_bits']}-bit K/V"
 
     def _hold_wired(self) -> None:
         """Raise the wired-memory limit while any row exists, as a single stream does for its
@@ -182,6 +216,7 @@ class SpeculativeBatch:
             if row.prompt_cache is not None:
                 row.prompt_cache.tokens = row.run.history[: row.run.fed]
             self.rows = []
+            _end_lockstep(row.run)
             return
         for b, row in enumerate(self.rows):
             if row.id in gone and row.prompt_cache is not None:
@@ -232,6 +267,8 @@ class SpeculativeBatch:
         cycle of the decoding rows; (row id, event) for each row that produced tokens (a row
         whose event has a finish_reason has left)."""
         out = []
+        if len(self):
+            self._hold_wired()
         with mx.stream(generation_stream()):
             budget = self.prefill_step_size  # prompt tokens this step, shared by the joining rows in order
             while self.joining and budget > 0:
@@ -279,26 +316,35 @@ class SpeculativeBatch:
     def _prefill_chunk(self, row: _Row, budget: int) -> list:
         """Prefill up to `budget` more prompt tokens of `row` (and, at the mark, the last one);
         a row whose prompt is done gets its first token and joins the batch."""
-        start, last = row.run.fed, len(row.ids) - 1
-        logits = _prefill(row.run, row.ids, budget, lambda at, _: at in (start, last), row.mark)
+        run = row.run
+        logits = _prefill(run, row.ids, budget, row.on_prefill, row.mark, budget)
+        if run.cancelled:  # by its own `on_prefill`: it leaves quietly, its prompt cache keeps the chunks fed
+            self.joining.popleft()
+            if row.prompt_cache is not None:
+                row.prompt_cache.tokens = run.history[: run.fed]
+            return []
         if logits is None:
             return []
         self.joining.popleft()
-        run = row.run
         first_arr, rows = _choose(run, logits[0], [], run.next_key())
+        if run.lockstep is not None:
+            first_arr = run.lockstep.share(first_arr)
         first = int(first_arr.item())
         logprobs = _logprob_list(_logprobs(run, rows, first_arr), [first])
         row.prompt_tps = (len(row.ids) - row.n_cached) / max(time.perf_counter() - row.started, 1e-9)
         kept, finish = _take(run, row.stopper, [first])
         if finish is None:
             self.ready.append(row)
-        elif row.prompt_cache is not None:
-            row.prompt_cache.tokens = run.history[: run.fed]
+        else:
+            if row.prompt_cache is not None:
+                row.prompt_cache.tokens = run.history[: run.fed]
+            _end_lockstep(run)
         return [(row.id, self._event(row, kept, None, finish, logprobs))]
 
     def _cycle(self) -> list:
         B = len(self.rows)
-        w = 1 if self.drafter is None else self.max_width
+        left = max(row.stopper.max_tokens - len(row.stopper.tokens) for row in self.rows)
+        w = 1 if self.drafter is None else min(self.max_width, left)  # no drafting past every row's limit
         if self.policy is not None and w > 1:
             w = max(1, min(self.policy.next_width(w, B), w))
         self.last_width = w
@@ -340,17 +386,21 @@ class SpeculativeBatch:
         """One cycle of the row decoding alone: the single-stream engine's, on its caches."""
         row = self.rows[0]
         run = row.run
-        pipeline = not self.joining and not self.ready and _can_pipeline(run)  # a joining row waits for no queue
-        try:
-            emitted, cycle, logprobs = _next_cycle(run, self.max_width if self.drafter is not None else 1,
-                                                   row.stopper.max_tokens - len(row.stopper.tokens),
-                                                   self._alone_policy, pipeline)
+        if run.lockstep is not None and not _rank0_says(run, True):  # rank 0's row has ended
+            self.rows = []
+            return []
+        pipeline = self.pipelined and not self.joining and not self.ready and _can_pipeline(run)
+        left = row.stopper.max_tokens - len(row.stopper.tokens)
+        try:  # (a joining row waits for no queued step)
+            emitted, cycle, logprobs = _next_cycle(run, self.max_width, left, self._alone_policy, pipeline)
             kept, finish = _take(run, row.stopper, emitted)
         except Exception as e:  # noqa: BLE001 - this row's own failure, as in a batched cycle
             if row.prompt_cache is not None:
                 row.prompt_cache.reset()
             self.failures.append((row.id, e))
             self.rows = []
+            if run.lockstep is not None and run.lockstep.leader:
+                _end_lockstep(run)  # the other ranks stop with it
             return []
         self.last_width = cycle.width
         self.n_cycles += 1
@@ -437,6 +487,13 @@ class _OneRow:
 
     def observe(self, cycle) -> None:
         self.policy.observe(1, cycle, [(cycle.n_drafted, cycle.n_accepted)])
+
+
+def _end_lockstep(run: _Run) -> None:
+    """A sharded row ends on every rank at once: rank 0 says "stop" (the others hear it)
+    unless that was said already."""
+    if run.lockstep is not None and not run.told_stop:
+        _rank0_says(run, False)
 
 
 def _bare_greedy(run: _Run) -> bool:

@@ -1,7 +1,10 @@
-"""The decoding loop: prefill → (draft → verify → commit)* with exact rollback.
+"""One row's cycle: prefill → (draft → verify → commit)* with exact rollback.
 
-One generator drives both plain autoregressive decoding (`drafter=None`, or a cycle of width
-1) and speculative decoding, so they share every line that picks tokens. Each cycle:
+The primitives every decoding path is written with, once: plain autoregressive steps
+(`drafter=None`, or a cycle of width 1) and speculative cycles share every line that picks
+tokens. The decoder (`batch_engine.SpeculativeBatch`) runs them for one row on its native
+caches, and calls `draft`, `verdict` and `accepted` per row around one batched verify when
+rows decode together; `generate.stream_generate` is a decoder of one row. Each cycle:
 
 1. draft: the drafter, whose `DraftContext` holds the target states of the tokens committed
    since its last call, drafts `width - 1` tokens after the anchor (the last committed token).
@@ -27,15 +30,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..errors import ConfigError
-from .chat import encode_prompt
 from .distributed import Lockstep
-from .events import CycleStats, GenerationEvent, GenerationResult, TokenLogprob, collect
+from .events import CycleStats, TokenLogprob
 from .interfaces import Constraint, DraftModel, TargetModel, WidthPolicy
 from .sampling import SamplingParams, make_processors, process_rows, target_probs
 from .stopper import Stopper
 from .verify import dense_q, greedy_accept, one_hot_q, rejection_sample
 
-DEFAULT_MAX_TOKENS = 256
 DEFAULT_PREFILL_STEP = 2048
 _STREAMS = threading.local()  # MLX streams belong to the thread that made them
 CLEAR_CACHE_EVERY = 64  # cycles (about mlx-lm's 256 tokens at 4 tokens per cycle)
@@ -60,6 +61,7 @@ class _Run:
     constraint: Constraint | None = None  # masks the target's rows (a grammar, a thinking budget), or None
     lockstep: Lockstep | None = None  # set when the target is sharded over processes
     told_stop: bool = False  # sharded: rank 0's last word was "stop"
+    cancelled: bool = False  # the prefill was stopped by its `on_prefill`
 
     @property
     def follows(self) -> bool:
@@ -118,20 +120,27 @@ def _check_args(target, drafter, ids: list[int], max_tokens: int, block_size: in
         raise ConfigError("the drafter is bound to a different target; call drafter.bind(target)")
 
 
-def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None, mark=None) -> mx.array | None:
-    """Feed `ids[run.fed:]` in chunks; return the logits of the last position [1, 1, V].
+def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None, mark=None,
+             budget: int | None = None) -> mx.array | None:
+    """Feed `ids[run.fed:]` in chunks of `step`; return the logits of the last position [1, 1, V]
+    once the prompt is in, else None (budget spent, or cancelled: `run.cancelled`).
 
-    `on_prefill(n_done, n_total)` runs before each chunk; a False return stops the prefill
-    (None is returned), so a long prompt can be cancelled between chunks. `mark(n)`, if given,
-    runs when the caches cover all but the last prompt token (a chunk ends there).
+    `budget` bounds the tokens fed by this call (whole chunks; a decoder interleaves other rows'
+    cycles between calls). `on_prefill(n_done, n_total)` runs before each chunk; a False return
+    cancels, so a long prompt can be stopped between chunks. `mark(n)`, if given, runs when the
+    caches cover all but the last prompt token (a chunk ends there).
     """
+    first = run.fed
     bounds = list(range(run.fed, len(ids), step))
     if mark is not None and len(ids) - 1 not in bounds:
         bounds = sorted(bounds + [len(ids) - 1])
     logits = None
     for start, end in zip(bounds, bounds[1:] + [len(ids)]):
+        if budget is not None and start - first >= budget and start != len(ids) - 1:
+            return None  # the mark's one-token chunk goes with the chunk before it
         go = on_prefill is None or on_prefill(start, len(ids)) is not False
         if not _rank0_says(run, go):
+            run.cancelled = True
             return None
         if mark is not None and start == len(ids) - 1:
             mark(run.fed)
@@ -363,138 +372,6 @@ def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, para
     return run, n_cached, mark
 
 
-def stream_generate(target: TargetModel, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, *,
-                    drafter: DraftModel | None = None,
-                    sampling: SamplingParams | None = None, prompt_cache=None, block_size: int | None = None,
-                    stop: list[str] | tuple = (), chat_template_kwargs: dict | None = None,
-                    prefill_step_size: int = DEFAULT_PREFILL_STEP, block_policy: WidthPolicy | None = None,
-                    kv_bits: int | None = None, kv_group_size: int | None = None, on_prefill=None,
-                    pipelined: bool = True, top_logprobs: int | None = None, overlap: bool | None = None,
-                    constraint: Constraint | None = None, lockstep: Lockstep | None = None):
-    """Generate from `target`, speculatively when `drafter` is given; yield `GenerationEvent`s.
-
-    Args:
-        target: a `Target`.
-        prompt: chat messages (`[{"role": "user", "content": ...}]`, rendered by the chat
-            template, as `dflash2 run` does), raw text (tokenized with BOS as mlx-lm does), or
-            token ids (a list or an mx.array); see `chat.py`.
-        max_tokens: the most tokens to generate (default 256).
-        drafter: a `Drafter` bound to `target`, or None (default) for plain decoding.
-        sampling: `SamplingParams` (default greedy).
-        chat_template_kwargs: variables for the chat template (e.g. `enable_thinking`, `tools`).
-        block_size: verify width (drafts + 1); default the drafter's trained block size.
-        stop: strings that end generation (not included in the text).
-        prefill_step_size: prompt chunk size (default 2048).
-        block_policy: optional object choosing the width of each cycle, with
-            `next_width(max_width) -> int` (1 = a plain decoding step) and
-            `observe(cycle: CycleStats)`; `block_size` is then the largest width.
-        kv_bits: quantize the target's full-attention KV cache to 4 or 8 bits (mlx-lm's
-            QuantizedKVCache; output equals plain decoding with the same quantization).
-        kv_group_size: its quantization group (32, 64 or 128; default 64, or 32 where 64
-            does not divide the head dimension).
-        on_prefill: optional `(n_done, n_total) -> bool | None`, called before each prompt
-            chunk; returning False cancels: the generator ends without yielding anything.
-        pipelined: plain steps (without penalties) queue the next step before reading the last
-            token back, as mlx-lm does; False runs the one-step-at-a-time twin.
-        overlap: build the verify graph while the drafts compute (default: on GPU backends; on
-            the CPU backend host work and kernels share the same cores, so it does not pay).
-        top_logprobs: when set, each event carries `logprobs`: every token's log-probability
-            under the target (from the verify rows, so equal to plain decoding's) and this
-            many most likely alternatives (0 for none).
-        constraint: a `Constraint` (fresh: a `GrammarConstraint` at its grammar's start, a
-            `ThinkingBudget`): every target row is masked by its state along the draft path, so
-            the output equals constrained plain decoding; generation ends when it is complete.
-        prompt_cache: a `PromptCache` for this target and drafter: generation starts from the
-            longest prefix of the prompt it reaches exactly and leaves it covering prompt and
-            reply (events report `cached_tokens`). Output equals a cold run's.
-        lockstep: a `distributed.Lockstep` when `target` is sharded over launched processes:
-            every rank calls this with the same prompt; rank 0 passes the drafter, the others
-            none, and rank 0's width and limit hold for all (see `distributed.py`).
-    """
-    if prompt is None or hasattr(prompt, "draft"):
-        raise TypeError("stream_generate(target, prompt, max_tokens, *, drafter=...): the drafter is a "
-                        "keyword argument (it was the second positional one before the v2 API)")
-    params = sampling or SamplingParams()
-    ids = encode_prompt(target.tokenizer, prompt, chat_template_kwargs=chat_template_kwargs)
-    width = block_size or (drafter.config.block_size if drafter is not None else 1)
-    if lockstep is not None:
-        width, max_tokens = _agree(lockstep, ids, width if drafter is not None else 1, max_tokens, block_policy,
-                                   prompt_cache)
-    overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
-    run, n_cached, mark = start_run(target, drafter, ids, max_tokens, width, params, prompt_cache, kv_bits=kv_bits,
-                                    kv_group_size=kv_group_size, top_logprobs=top_logprobs, overlap=overlap,
-                                    constraint=constraint, lockstep=lockstep)
-    events = _generate(run, ids, n_cached, mark, max_tokens, width, stop, prefill_step_size, block_policy,
-                       on_prefill, pipelined)
-    if prompt_cache is None:
-        return events
-    return _tracked(events, run, prompt_cache)
-
-
-def _agree(lockstep: Lockstep, ids: list[int], width: int, max_tokens: int, block_policy: WidthPolicy | None,
-           prompt_cache) -> tuple[int, int]:
-    """Rank 0's width and token limit for every rank; a different prompt length is refused."""
-    if block_policy is not None or prompt_cache is not None:
-        raise ConfigError("a sharded target decodes at a fixed --block-size and without a prompt cache")
-    width_0, max_tokens_0, n_ids_0 = lockstep.share(mx.array([width, max_tokens, len(ids)])).tolist()
-    if n_ids_0 != len(ids):
-        raise ConfigError(f"rank {lockstep.rank} has a prompt of {len(ids)} tokens, rank 0 one of {n_ids_0}")
-    return width_0, max_tokens_0
-
-
-def _tracked(events, run: _Run, prompt_cache):
-    """Pass `events` on, keeping `prompt_cache.tokens` equal to what the caches cover; a run
-    cut inside a cycle (an error, not a close at an event) leaves them unknown: reset."""
-    try:
-        yield from events
-    except GeneratorExit:
-        prompt_cache.tokens = run.history[: run.fed]
-        raise
-    except BaseException:
-        prompt_cache.reset()
-        raise
-    prompt_cache.tokens = run.history[: run.fed]
-
-
-def _generate(run: _Run, ids: list[int], n_cached: int, mark, max_tokens: int, width: int, stop,
-              prefill_step_size: int, block_policy: WidthPolicy | None, on_prefill, pipelined: bool):
-    target = run.target
-    stopper = Stopper(target.tokenizer, target.eos_token_ids, list(stop), max_tokens)
-    # Wire the weights (Metal) for the whole generation; a no-op elsewhere. Device work runs on
-    # the generation stream, entered around each step so that it does not leak into the caller.
-    with _wired_limit(target.model):
-        mx.reset_peak_memory()
-        tic = time.perf_counter()
-        with mx.stream(generation_stream()):
-            logits = _prefill(run, ids, prefill_step_size, on_prefill, mark)
-            if logits is None:
-                return
-            first_arr, rows = _choose(run, logits[0], [], run.next_key())
-            if run.lockstep is not None:
-                first_arr = run.lockstep.share(first_arr)
-            first = int(first_arr.item())
-            first_lp = _logprob_list(_logprobs(run, rows, first_arr), [first])
-        prompt_tps = (len(ids) - n_cached) / (time.perf_counter() - tic)
-        tic = time.perf_counter()
-
-        def event(tokens, cycle, finish, logprobs):
-            n = len(stopper.tokens)
-            return GenerationEvent(stopper.new_text(finish is not None), tokens, cycle, finish, len(ids),
-                                   prompt_tps, n, generation_tps(n, tic),
-                                   peak_memory_gb(), stopper.matched if finish == "stop" else None,
-                                   logprobs[: len(tokens)] if logprobs is not None else None, n_cached)
-
-        kept, finish = _take(run, stopper, [first])
-        if block_policy is not None:
-            block_policy.begin()
-        try:
-            yield event(kept, None, finish, first_lp)
-            yield from _decode(run, stopper, finish, event, max_tokens, width, block_policy, pipelined)
-        finally:
-            if run.lockstep is not None and run.lockstep.leader and not run.told_stop:
-                _rank0_says(run, False)  # closed at an event: the other ranks stop with it
-
-
 def _rank0_says(run: _Run, go: bool) -> bool:
     """Whether to run another step (prefill chunk or cycle). Sharded, rank 0's answer holds for
     every rank, so a stop string, a finished grammar or a cancel on rank 0 stops them all."""
@@ -503,21 +380,6 @@ def _rank0_says(run: _Run, go: bool) -> bool:
     go = bool(run.lockstep.share(mx.array([int(go)])).item())
     run.told_stop = not go
     return go
-
-
-def _decode(run: _Run, stopper: Stopper, finish, event, max_tokens: int, width: int,
-            block_policy: WidthPolicy | None, pipelined: bool):
-    """The cycles after the first token, each yielding its event."""
-    pipeline = pipelined and _can_pipeline(run)
-    n_cycles = 0
-    while _rank0_says(run, finish is None):
-        with mx.stream(generation_stream()):
-            emitted, cycle, logprobs = _next_cycle(run, width, max_tokens - len(stopper.tokens), block_policy, pipeline)
-        kept, finish = _take(run, stopper, emitted)
-        n_cycles += 1
-        if n_cycles % CLEAR_CACHE_EVERY == 0:  # hand MLX's buffer cache back now and then, as mlx-lm does
-            mx.clear_cache()
-        yield event(kept, cycle, finish, logprobs)
 
 
 def _take(run: _Run, stopper: Stopper, emitted: list[int]) -> tuple[list[int], str | None]:
@@ -558,8 +420,3 @@ def _next_cycle(run: _Run, width: int, left: int, block_policy: WidthPolicy | No
     if block_policy is not None:
         block_policy.observe(cycle)
     return emitted, cycle, logprobs
-
-
-def generate(target, prompt, max_tokens: int = DEFAULT_MAX_TOKENS, **kwargs) -> GenerationResult:
-    """Run `stream_generate` to the end and collect a `GenerationResult` (same arguments)."""
-    return collect(stream_generate(target, prompt, max_tokens, **kwargs))

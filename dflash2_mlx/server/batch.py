@@ -17,6 +17,7 @@ arrives alone or beside others, and the batch's widths follow the load.
 from __future__ import annotations
 
 from ..core.batch_engine import SpeculativeBatch
+from ..core.generate import single_row
 
 
 def batchable(job) -> bool:
@@ -36,13 +37,33 @@ def batch_policy(session):
 
 
 class BatchRun:
-    """The running batch: `add` a job, `step` once per worker turn, `remove` a cancelled one."""
+    """Jobs on one decoder: `add` a job, `step` once per worker turn, `remove` a cancelled one.
+    `shared` makes the batch the batchable jobs join; `solo` a decoder of one job that decodes
+    on its own (seeded, quantized K/V, a sharded target, or `--max-batch 1`)."""
 
-    def __init__(self, session, prefill_chunk: int, policy=None):
-        self.engine = SpeculativeBatch(session.target, session.drafter, block_size=session.width, policy=policy,
-                                       prefill_step_size=prefill_chunk)
+    def __init__(self, engine: SpeculativeBatch):
+        self.engine = engine
         self.jobs: dict[int, object] = {}  # row id -> job
         self.caches: dict[int, object] = {}  # row id -> its PromptCache (from the pool), if any
+
+    @classmethod
+    def shared(cls, session, prefill_chunk: int, policy=None) -> BatchRun:
+        return cls(SpeculativeBatch(session.target, session.drafter, block_size=session.width, policy=policy,
+                                    prefill_step_size=prefill_chunk))
+
+    @classmethod
+    def solo(cls, session, job, prefill_chunk: int, cache=None) -> BatchRun:
+        """`job` alone on its decoder, at the width (and policy) `session.speculation` gives its
+        sampling, with the session's K/V quantization and sharding."""
+        width, policy = session.speculation(job.sampling)
+        engine, rid = single_row(session.target, job.prompt_ids, job.max_tokens, drafter=session.drafter,
+                                 sampling=job.sampling, prompt_cache=cache, block_size=width, stop=job.stop,
+                                 prefill_step_size=prefill_chunk, block_policy=policy, kv_bits=session.kv_bits,
+                                 kv_group_size=session.kv_group_size, top_logprobs=job.top_logprobs,
+                                 constraint=job.constraint, lockstep=session.lockstep)
+        run = cls(engine)
+        run.jobs[rid], run.caches[rid] = job, cache
+        return run
 
     def __len__(self) -> int:
         return len(self.jobs)

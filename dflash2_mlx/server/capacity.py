@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from mlx.utils import tree_flatten
 
-from ..core.engine import stream_generate
+from ..core.generate import stream_generate
 from ..errors import ConfigError
 
 MEMORY_SHARE = 0.5  # of the device's memory, for weights + prefix cache + the rows' K/V

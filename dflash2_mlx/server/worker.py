@@ -365,8 +365,12 @@ class GenerationWorker:
                 for job in joining:
                     self._start(job)
                     self._add_to_batch(batch, job)
-            if solo is not None and next(solo, "done") == "done":
+            if solo:
+                self._step_batch(solo, solo=True)
+            if solo is not None and not solo:
                 solo = None
+                if self.metrics is not None:
+                    self.metrics.solo_cycle(0, 0.0)
             if batch:
                 self._step_batch(batch)
             if batch is not None and not batch:
@@ -398,15 +402,7 @@ class GenerationWorker:
 
         if self._batch_policy is None:  # one for the worker: it keeps learning across batches
             self._batch_policy = batch_policy(self.session)
-        return BatchRun(self.session, self.prefill_chunk, self._batch_policy)
-
-    def _on_prefill(self, job: Job):
-        def progress(done: int, total: int) -> bool:
-            if self.metrics is not None:
-                self.metrics.prefill(done, total)
-            return not job.cancelled.is_set()  # False stops the prefill before the next chunk
-
-        return progress
+        return BatchRun.shared(self.session, self.prefill_chunk, self._batch_policy)
 
     def _start(self, job: Job) -> None:
         job.stats.started_at = time.perf_counter()
@@ -436,7 +432,9 @@ class GenerationWorker:
             job.post(Finished(stats))
 
     def _solo(self, job: Job):
-        """Run `job` on the single-stream engine; yields after each event (one cycle)."""
+        """`job` on a decoder of its own (a `BatchRun` of one row), or None if it failed to start."""
+        from .batch import BatchRun
+
         self._start(job)
         cache = self.prompt_caches.checkout(job.prompt_ids) if self.prompt_caches is not None else None
         try:
@@ -444,39 +442,22 @@ class GenerationWorker:
                 from ..core.distributed import announce
 
                 announce(self.session.lockstep, job.prompt_ids)
-            events = self.session.stream(job.prompt_ids, sampling=job.sampling, max_tokens=job.max_tokens,
-                                         stop=job.stop, on_prefill=self._on_prefill(job),
-                                         top_logprobs=job.top_logprobs, constraint=job.constraint,
-                                         prefill_step_size=self.prefill_chunk, prompt_cache=cache)
-            try:
-                for event in events:
-                    job.stats.observe(event)
-                    if self.metrics is not None:
-                        if event.cycle is not None:
-                            self.metrics.solo_cycle(event.cycle.width, job.stats.tokens_per_cycle)
-                        self.metrics.tokens_posted(len(event.tokens))
-                    job.post(event)
-                    if job.cancelled.is_set() or event.finish_reason is not None:
-                        break
-                    yield
-            finally:
-                events.close()
-        except DFlashError as e:
-            job.post(Failed(400, str(e)))
+            return BatchRun.solo(self.session, job, self.prefill_chunk, cache)
+        except DFlashError as e:  # a bad request fails alone (refused before its cache was touched)
+            failure = Failed(400, str(e))
         except Exception as e:  # noqa: BLE001 - a bug must reach the client as a 500, not kill the worker
             log.exception("generation failed for request %s", job.id)
-            job.post(Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
-        else:
-            self._finish(job)
-        finally:
-            if self.metrics is not None:
-                self.metrics.solo_cycle(0, 0.0)
-            if self.prompt_caches is not None:
-                self.prompt_caches.checkin(cache)
-            self._end(job)
+            failure = Failed(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+            if cache is not None:
+                cache.reset()  # what it covers is unknown
+        if self.prompt_caches is not None:
+            self.prompt_caches.checkin(cache)
+        job.post(failure)
+        self._end(job)
+        return None
 
-    def _step_batch(self, batch) -> None:
-        """Drop cancelled rows, run one batch step, post its events."""
+    def _step_batch(self, batch, solo: bool = False) -> None:
+        """Drop cancelled rows, run one step of `batch` (a `BatchRun`), post its events."""
         for job in list(batch.jobs.values()):
             if job.cancelled.is_set():
                 cache = batch.remove(job)  # covers the prompt and the reply so far: the next turn reuses it
@@ -510,9 +491,13 @@ class GenerationWorker:
                     self.prompt_caches.checkin(cache)
                 self._finish(job)
                 self._end(job)
-        if self.metrics is not None:
+        if self.metrics is None:
+            return
+        if solo and produced and produced[0][1].cycle is not None:
+            self.metrics.solo_cycle(batch.last_width, produced[0][0].stats.tokens_per_cycle)
+        elif not solo:
             self.metrics.batch_cycle(batch.last_width, batch.rows_tau())
-            self.metrics.prefill(*batch.prefilling())
+        self.metrics.prefill(*batch.prefilling())
 
     def _fail_batch(self, batch, failure: Failed) -> None:
         """Fail every row: a batch step that raised leaves the batch's state unknown, so the

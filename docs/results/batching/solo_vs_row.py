@@ -32,7 +32,7 @@ from spec_batch import held_out, mlx_single  # noqa: E402
 
 
 def solo(session, ids, n, width):
-    from dflash2_mlx.core.engine import stream_generate
+    from dflash2_mlx.core.generate import stream_generate
 
     tokens, t_first = [], None
     for ev in stream_generate(session.target, ids, drafter=session.drafter if width > 1 else None, max_tokens=n,

@@ -15,8 +15,8 @@ import json
 import time
 
 from dflash2_mlx.core.constraint import GrammarConstraint, json_schema_grammar
-from dflash2_mlx.core.engine import stream_generate
 from dflash2_mlx.core.events import collect
+from dflash2_mlx.core.generate import stream_generate
 from dflash2_mlx.session import Session
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "hobbies"],
