@@ -87,15 +87,26 @@ class Session:
         notes = list(spec.notes)
         if lockstep is None and shard != "tensor":
             notes.append(f"--shard {shard} applies under mlx.launch only: this process holds the whole target")
-        if lockstep is not None and size == "auto":  # measured per process: ranks would disagree
-            size = None
-            notes.append("a sharded target decodes at a fixed width: the drafter's trained block size (pass "
-                         "--block-size N to choose it)")
         if kv_bits is not None or kv_group_size is not None:
             target.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # refuse a bad combination now
             kv_group_size = target.kv_group_size(kv_bits, kv_group_size)
-        return cls(spec=spec, target=target, drafter=draft, block_size=size, notes=notes,
-                   kv_bits=kv_bits, kv_group_size=kv_group_size, lockstep=lockstep)
+        session = cls(spec=spec, target=target, drafter=draft, block_size=size, notes=notes,
+                      kv_bits=kv_bits, kv_group_size=kv_group_size, lockstep=lockstep)
+        if lockstep is not None and size == "auto" and spec.drafter is not None:
+            session._agree_policy()
+        return session
+
+    def _agree_policy(self) -> None:
+        """Sharded `--block-size auto`: every rank takes part in the calibration's passes (at
+        load, in lockstep); rank 0's policy picks each cycle's width for all of them."""
+        from .core.block_policy import AdaptiveBlockPolicy
+        from .core.calibration import agree_calibration
+
+        cal = agree_calibration(self.lockstep, self.target, self.drafter)
+        if cal is not None:
+            self._policy = AdaptiveBlockPolicy(cal.costs)
+            self.notes.append(f"block size auto over {self.lockstep.size} ranks: widths measured in the sharded "
+                              "setting; rank 0 picks each cycle's width for every rank")
 
     # -- prompts ------------------------------------------------------------------------
 

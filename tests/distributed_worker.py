@@ -9,6 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import mlx.core as mx  # noqa: E402
+from test_engine_hooks import ScriptedWidths  # noqa: E402
 
 from dflash2_mlx import SamplingParams, generate  # noqa: E402
 from dflash2_mlx.core.distributed import agree_taps, launched, split_model  # noqa: E402
@@ -21,7 +22,7 @@ PROMPT = [1, 5, 9, 14, 3, 22, 7, 31, 40, 12, 18, 6, 27, 33, 8, 11]
 N = 24
 
 
-def main(family: str, out: Path, mode: str = "tensor") -> None:
+def main(family: str, out: Path, mode: str = "tensor", calibration_dir: str | None = None) -> None:
     lockstep = launched(mode)
     assert lockstep is not None and lockstep.size == 2, "launch with mlx.launch -n 2"
     # qwen3_5's shard splits an untied head by vocabulary, which the tiny vocab (97) cannot divide
@@ -49,12 +50,27 @@ def main(family: str, out: Path, mode: str = "tensor") -> None:
     seeded = [generate(target, PROMPT, drafter=drafter, block_size=4, sampling=SamplingParams(temperature=0.8, seed=5),
                        **run).tokens for _ in range(2)]
     seeded_plain = generate(target, PROMPT, sampling=SamplingParams(temperature=0.8, seed=5), **run).tokens
+    # rank 0's policy picks each cycle's width (plain steps between speculative ones); the others follow
+    widths = ScriptedWidths([1, 3, 4, 2, 1, 1, 4]) if lead else None
+    varied = generate(target, PROMPT, drafter=scripted, block_size=4, block_policy=widths, **run)
+    calibrated = None
+    if calibration_dir:  # `--block-size auto`'s calibration, every rank in each timed pass
+        from dflash2_mlx.core.block_policy import AdaptiveBlockPolicy
+        from dflash2_mlx.core.calibration import agree_calibration
+
+        cal = agree_calibration(lockstep, target, drafter, cache_dir=Path(calibration_dir))
+        policy = AdaptiveBlockPolicy(cal.costs) if lead else None
+        auto = generate(target, PROMPT, drafter=drafter, block_size=4, block_policy=policy, **run)
+        again = agree_calibration(lockstep, target, drafter, cache_dir=Path(calibration_dir))  # cached: no passes
+        calibrated = {"max_width": cal.costs.max_width if lead else None, "auto": auto.tokens,
+                      "cached": again is not None and again.key == cal.key if lead else None}
     (out / f"rank{lockstep.rank}.json").write_text(json.dumps({
         "rank": lockstep.rank, "info": lockstep.describe(), "single": single, "taps_error": taps_error,
         "plain": plain.tokens, "spec": spec.tokens,
         "spec_accepted": [c.n_accepted for c in spec.speculative_cycles], "partial": partial.tokens,
         "partial_accepted": [c.n_accepted for c in partial.speculative_cycles], "seeded": seeded,
-        "seeded_plain": seeded_plain}))
+        "seeded_plain": seeded_plain, "varied": varied.tokens, "varied_widths": [c.width for c in varied.cycles],
+        "calibrated": calibrated}))
 
 
 if __name__ == "__main__":

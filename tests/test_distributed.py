@@ -3,6 +3,7 @@ output equals the sharded target's plain output token for token, every rank emit
 and partial acceptance (recurrent rollback included) stays exact."""
 
 import json
+import os
 import re
 import shutil
 import socket
@@ -22,10 +23,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(*args, timeout: int = 240) -> subprocess.CompletedProcess:
+def launch(*args, timeout: int = 240, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--python", sys.executable,
            *map(str, args)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 # qwen3's mlx-lm `shard` splits q/k/v/o and the MLP exactly as llama's does, so llama stands for
@@ -34,7 +35,8 @@ def launch(*args, timeout: int = 240) -> subprocess.CompletedProcess:
 # taps come from both stages).
 @pytest.mark.parametrize("family, mode", [("llama", "tensor"), ("qwen3_5", "tensor"), ("qwen3_5", "pipeline")])
 def test_sharded_speculation_equals_sharded_plain_decoding(family, mode, tmp_path):
-    proc = launch(WORKER, family, tmp_path, mode)
+    calibrate = family == "qwen3_5" and mode == "tensor"  # one launch measures it (each costs ~30 s)
+    proc = launch(WORKER, family, tmp_path, mode, *([tmp_path / "calibration"] if calibrate else []))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["info"] == {"size": 2, "rank": 0, "backend": "ring", "mode": mode}
@@ -42,7 +44,8 @@ def test_sharded_speculation_equals_sharded_plain_decoding(family, mode, tmp_pat
         assert r0["taps_error"] == 0.0 and r0["plain"] == r0["single"]
     else:  # the heads' partial sums are added across ranks: fp32 rounding
         assert r0["taps_error"] < 1e-3
-    for key in ("plain", "spec", "spec_accepted", "partial", "partial_accepted", "seeded", "seeded_plain"):
+    for key in ("plain", "spec", "spec_accepted", "partial", "partial_accepted", "seeded", "seeded_plain", "varied",
+                "varied_widths"):
         assert r0[key] == r1[key], key  # every rank emits what rank 0 decided
     assert len(r0["plain"]) == 24 and len(set(r0["plain"])) > 5
     assert r0["spec"] == r0["plain"]
@@ -50,6 +53,11 @@ def test_sharded_speculation_equals_sharded_plain_decoding(family, mode, tmp_pat
     assert set(r0["partial_accepted"]) == {0, 1, 2, 3}  # every acceptance depth, rolled back on both ranks
     assert r0["seeded"][0] == r0["seeded"][1] and len(r0["seeded"][0]) == 24
     assert r0["seeded"][0] != r0["plain"]  # sampling happened
+    assert r0["varied"] == r0["plain"]  # rank 0's policy picked the widths, rank 1 followed each
+    assert set(r0["varied_widths"]) == {1, 2, 3, 4}
+    if calibrate:  # measured with both ranks in every pass, then cached on rank 0
+        assert r0["calibrated"]["max_width"] == 4 and r0["calibrated"]["cached"]
+        assert r0["calibrated"]["auto"] == r1["calibrated"]["auto"] == r0["plain"]
 
 
 def test_dflash2_run_under_mlx_launch_prints_once_and_reports_the_group(tmp_path):
@@ -66,6 +74,12 @@ def test_dflash2_run_under_mlx_launch_prints_once_and_reports_the_group(tmp_path
     assert plain.returncode == 0, plain.stderr[-3000:]
     assert json.loads(plain.stdout[plain.stdout.index("{"):])["token_ids"] == sharded["token_ids"]
     assert sharded["speculative_cycles"] > 0
+    env = {**os.environ, "DFLASH2_HOME": str(tmp_path / "home")}  # a fresh calibration cache
+    auto = launch(cli, *args[:-1], "auto", "--json", env=env)
+    assert auto.returncode == 0, auto.stdout[-3000:] + auto.stderr[-3000:]
+    auto = json.loads(auto.stdout[auto.stdout.index("{"):])
+    assert auto["token_ids"] == sharded["token_ids"]
+    assert any("block size auto over 2 ranks" in note for note in auto["notes"])
     alone = subprocess.run([str(cli), *map(str, args), "--json"], capture_output=True, text=True, timeout=120)
     assert alone.returncode == 0 and json.loads(alone.stdout)["distributed"] is None
 

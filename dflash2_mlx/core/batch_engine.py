@@ -49,8 +49,9 @@ from .engine import (
     _logprob_list,
     _logprobs,
     _next_cycle,
+    _pick_width,
     _prefill,
-    _rank0_says,
+    _rank0_width,
     _Run,
     _take,
     _wired_limit,
@@ -386,11 +387,14 @@ class SpeculativeBatch:
         """One cycle of the row decoding alone: the single-stream engine's, on its caches."""
         row = self.rows[0]
         run = row.run
-        if run.lockstep is not None and not _rank0_says(run, True):  # rank 0's row has ended
-            self.rows = []
-            return []
-        pipeline = self.pipelined and not self.joining and not self.ready and _can_pipeline(run)
         left = row.stopper.max_tokens - len(row.stopper.tokens)
+        if run.lockstep is not None:  # rank 0 picks the width (its policy's) for every rank
+            mine = _pick_width(run, self.max_width, left, self._alone_policy) if run.lockstep.leader else 0
+            run.decided = _rank0_width(run, mine)
+            if not run.decided:  # rank 0's row has ended
+                self.rows = []
+                return []
+        pipeline = self.pipelined and not self.joining and not self.ready and _can_pipeline(run)
         try:  # (a joining row waits for no queued step)
             emitted, cycle, logprobs = _next_cycle(run, self.max_width, left, self._alone_policy, pipeline)
             kept, finish = _take(run, row.stopper, emitted)
@@ -493,7 +497,7 @@ def _end_lockstep(run: _Run) -> None:
     """A sharded row ends on every rank at once: rank 0 says "stop" (the others hear it)
     unless that was said already."""
     if run.lockstep is not None and not run.told_stop:
-        _rank0_says(run, False)
+        _rank0_width(run, 0)
 
 
 def _bare_greedy(run: _Run) -> bool:

@@ -132,15 +132,26 @@ def _time_drafter(drafter, cache, anchor: mx.array, ctx: mx.array, width: int) -
     return time.perf_counter() - t0
 
 
+def _context_ids(target, n_context: int, max_width: int) -> mx.array:
+    """The fixed random context every calibration measures after (the same on every rank)."""
+    rng = np.random.default_rng(0)
+    return mx.array(rng.integers(3, target.info.vocab_size, size=(1, n_context + max_width)), dtype=mx.int32)
+
+
+def _rounds(max_width: int, repeats: int) -> list[list[int]]:
+    """The widths of each round in measuring order: interleaved, rotated each round."""
+    order = list(range(1, max_width + 1))
+    return [order[rnd % max_width:] + order[: rnd % max_width] for rnd in range(repeats + 1)]
+
+
 def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONTEXT,
                   repeats: int = DEFAULT_REPEATS, progress=None) -> Costs:
     """Median seconds of a target forward and a drafter call for widths 1..max_width.
 
-    `progress(done, total)` is called after each round, if given.
+    `progress(done, total)` is called after each round, if given. On a sharded target, every
+    other rank runs `follow_measurement` meanwhile: the passes are collective.
     """
-    rng = np.random.default_rng(0)
-    vocab = target.info.vocab_size
-    ids = mx.array(rng.integers(3, vocab, size=(1, n_context + max_width)), dtype=mx.int32)
+    ids = _context_ids(target, n_context, max_width)
     taps = tuple(drafter.config.target_layer_ids)
     cache = target.make_cache(reserve=max_width)
     _, hidden = target.forward(ids[:, :n_context], cache, taps, "last")
@@ -149,10 +160,8 @@ def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONT
     mx.eval(drafter.draft_from(anchor, hidden, draft_cache, 2, 0.0).tokens)
     target_s = [[] for _ in range(max_width)]
     draft_s = [[] for _ in range(max_width)]
-    for rnd in range(repeats + 1):
-        order = list(range(1, max_width + 1))
-        order = order[rnd % max_width:] + order[: rnd % max_width]
-        for w in order:
+    for rnd, widths in enumerate(_rounds(max_width, repeats)):
+        for w in widths:
             t_target, ctx = _time_target(target, cache, taps, ids[:, n_context : n_context + w])
             t_draft = _time_drafter(drafter, draft_cache, anchor, ctx, w) if w >= 2 else 0.0
             if rnd > 0:  # round 0 warms up every shape
@@ -163,6 +172,19 @@ def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONT
     target = nondecreasing([statistics.median(s) for s in target_s])
     draft = [0.0] + nondecreasing([statistics.median(s) for s in draft_s[1:]])
     return Costs(tuple(target), tuple(draft))
+
+
+def follow_measurement(target, max_width: int, n_context: int = DEFAULT_CONTEXT,
+                       repeats: int = DEFAULT_REPEATS) -> None:
+    """A rank other than 0 of a sharded target: the same target passes as rank 0's
+    `measure_costs`, in the same order (their collectives need every rank); no drafter."""
+    ids = _context_ids(target, n_context, max_width)
+    cache = target.make_cache(reserve=max_width)
+    mx.eval(target.forward(ids[:, :n_context], cache, (), "last")[0])
+    for w in (w for widths in _rounds(max_width, repeats) for w in widths):
+        target.arm(cache)
+        mx.eval(target.forward(ids[:, n_context : n_context + w], cache, (), "last")[0])
+        target.commit(cache, n_fed=w, n_keep=1)
 
 
 def calibrate(target, drafter, max_width: int, key: str, machine: dict, model: dict,
@@ -182,11 +204,38 @@ def get_calibration(target, drafter, max_width: int | None = None, cache_dir: Pa
     key = calibration_key(machine, model)
     cal = None if refresh else load_calibration(key, cache_dir)
     if cal is None or cal.costs.max_width < width:
-        log.warning("measuring target and drafter costs for widths 1..%d on this machine "
-                    "(once; cached in %s)", width, Path(cache_dir or default_cache_dir()))
-        cal = calibrate(target, drafter, width, key=key, machine=machine, model=model,
-                                progress=progress)
-        save_calibration(cal, cache_dir)
+        cal = _measure_and_save(target, drafter, width, key, machine, model, cache_dir, progress)
+    return cal
+
+
+def _measure_and_save(target, drafter, width: int, key: str, machine: dict, model: dict, cache_dir, progress):
+    log.warning("measuring target and drafter costs for widths 1..%d on this machine (once; cached in %s)",
+                width, Path(cache_dir or default_cache_dir()))
+    cal = calibrate(target, drafter, width, key=key, machine=machine, model=model, progress=progress)
+    save_calibration(cal, cache_dir)
+    return cal
+
+
+def agree_calibration(lockstep, target, drafter, max_width: int | None = None, cache_dir: Path | None = None,
+                      progress=None) -> Calibration | None:
+    """A sharded target's calibration, measured in the distributed setting: rank 0's cache says
+    whether to measure (the key covers the group), and then every rank takes part in each
+    timed target pass. Every rank calls this, at the same point; rank 0 gets the calibration,
+    the others (which hold no drafter) None."""
+    width, cal = 0, None
+    if lockstep.leader:
+        machine = machine_fingerprint()
+        model = model_fingerprint(target, drafter) | {"sharded": {k: v for k, v in lockstep.describe().items()
+                                                                   if k != "rank"}}
+        key = calibration_key(machine, model)
+        cal = load_calibration(key, cache_dir)
+        need = max(2, max_width or drafter.config.block_size)
+        width = need if cal is None or cal.costs.max_width < need else 0
+    width = int(lockstep.share(mx.array([width])).item())  # 0: rank 0 has it cached
+    if width and lockstep.leader:
+        cal = _measure_and_save(target, drafter, width, key, machine, model, cache_dir, progress)
+    elif width:
+        follow_measurement(target, width)
     return cal
 
 

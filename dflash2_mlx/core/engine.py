@@ -373,13 +373,19 @@ def start_run(target, drafter, ids: list[int], max_tokens: int, width: int, para
 
 
 def _rank0_says(run: _Run, go: bool) -> bool:
-    """Whether to run another step (prefill chunk or cycle). Sharded, rank 0's answer holds for
-    every rank, so a stop string, a finished grammar or a cancel on rank 0 stops them all."""
+    """Whether to run another prefill chunk. Sharded, rank 0's answer holds for every rank, so
+    a cancel on rank 0 stops them all."""
+    return _rank0_width(run, int(go)) > 0
+
+
+def _rank0_width(run: _Run, width: int) -> int:
+    """Rank 0's `width` on every rank, one int per step: the next cycle's width, or 0 when its
+    row has ended (a stop string, a finished grammar, a close), which stops every rank."""
     if run.lockstep is None:
-        return go
-    go = bool(run.lockstep.share(mx.array([int(go)])).item())
-    run.told_stop = not go
-    return go
+        return width
+    width = int(run.lockstep.share(mx.array([width])).item())
+    run.told_stop = width == 0
+    return width
 
 
 def _take(run: _Run, stopper: Stopper, emitted: list[int]) -> tuple[list[int], str | None]:

@@ -94,8 +94,7 @@ def single_row(target: TargetModel, ids: list[int], max_tokens: int, *, drafter:
     width and token limit first."""
     width = block_size or (drafter.config.block_size if drafter is not None else 1)
     if lockstep is not None:
-        width, max_tokens = _agree(lockstep, ids, width if drafter is not None else 1, max_tokens, block_policy,
-                                   prompt_cache)
+        width, max_tokens = _agree(lockstep, ids, width if drafter is not None else 1, max_tokens, prompt_cache)
     decoder = SpeculativeBatch(target, drafter, block_size=width, alone_policy=block_policy,
                                prefill_step_size=prefill_step_size, kv_bits=kv_bits, kv_group_size=kv_group_size,
                                overlap=overlap, pipelined=pipelined, lockstep=lockstep)
@@ -125,11 +124,11 @@ def _events(decoder: SpeculativeBatch, row: int, prompt_cache):
         decoder.remove(row)
 
 
-def _agree(lockstep: Lockstep, ids: list[int], width: int, max_tokens: int, block_policy: WidthPolicy | None,
-           prompt_cache) -> tuple[int, int]:
-    """Rank 0's width and token limit for every rank; a different prompt length is refused."""
-    if block_policy is not None or prompt_cache is not None:
-        raise ConfigError("a sharded target decodes at a fixed --block-size and without a prompt cache")
+def _agree(lockstep: Lockstep, ids: list[int], width: int, max_tokens: int, prompt_cache) -> tuple[int, int]:
+    """Rank 0's widest block and token limit for every rank (its policy, if any, picks each
+    cycle's width from there); a different prompt length is refused."""
+    if prompt_cache is not None:
+        raise ConfigError("a sharded target decodes without a prompt cache")
     width_0, max_tokens_0, n_ids_0 = lockstep.share(mx.array([width, max_tokens, len(ids)])).tolist()
     if n_ids_0 != len(ids):
         raise ConfigError(f"rank {lockstep.rank} has a prompt of {len(ids)} tokens, rank 0 one of {n_ids_0}")
