@@ -453,7 +453,7 @@ def test_batched_cycles_draft_no_further_than_the_rows_limits():
     made, widths = dict.fromkeys(rows, 0), []
     while len(batch):
         events = batch.step()
-        for rid, ev in events:  # first tokens come before the cycle of the same step
+        for rid, ev in events:  # a first token comes before any cycle of its row
             made[rid] += len(ev.tokens) if ev.cycle is None else 0
         left = max(rows[r] - made[r] for r in rows)
         for rid, ev in events:
@@ -462,6 +462,20 @@ def test_batched_cycles_draft_no_further_than_the_rows_limits():
                 widths.append((ev.cycle.width, left))
     assert widths and all(w <= left for w, left in widths)  # the batched cycle is capped, not width 6
     assert made == rows
+
+
+def test_a_rows_first_token_comes_in_a_step_of_its_own():
+    """A prefilled row decodes from the next step: its first token reaches the client (and a
+    cancel can stop it) before any cycle of its own runs, alone or joining a decoding row."""
+    target = tiny_target("llama")
+    batch = SpeculativeBatch(target, tiny_drafter(target, "dflash2", block_size=4))
+    rid = batch.add(PROMPTS[0], 20)
+    assert [(r, ev.cycle) for r, ev in batch.step()] == [(rid, None)]
+    assert [r for r, ev in batch.step() if ev.cycle is not None] == [rid]
+    other = batch.add(PROMPTS[1], 20)
+    events = batch.step()
+    assert [(r, ev.cycle is None) for r, ev in events] == [(other, True), (rid, False)]
+    assert {r for r, ev in batch.step() if ev.cycle is not None} == {rid, other}
 
 
 def test_stream_generate_is_the_decoder_of_one_row():

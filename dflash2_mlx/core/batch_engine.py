@@ -282,7 +282,8 @@ class SpeculativeBatch:
                 budget -= row.run.fed - fed
                 if self.joining and self.joining[0] is row:
                     break  # its prompt goes on next step
-            self._settle()
+            # A row prefilled in this step decodes from the next: its first token reaches the
+            # client before a cycle runs, and a cancel in between stops it before any cycle.
             if self.alone:
                 out += self._cycle_alone()
             elif self.rows:
