@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .core.caches import RecurrentCache, adapt_cache
+from .core.cache_kinds import kind_of
+from .core.caches import adapt_cache
 from .core.recurrent import _Wrapper, install_replay, replay_layers
 from .errors import ConfigError, DFlashError
 
@@ -405,7 +406,7 @@ class Target:
     def arm(self, cache: list) -> None:
         """Checkpoint recurrent state before a verify pass that may be partly rejected."""
         for c in cache:
-            if isinstance(c, RecurrentCache):
+            if kind_of(c).replays:
                 c.arm()
 
     def commit(self, cache: list, n_fed: int, n_keep: int) -> None:
@@ -413,14 +414,14 @@ class Target:
         if not 0 < n_keep <= n_fed:
             raise ValueError(f"n_keep must be in [1, {n_fed}], got {n_keep}")
         drop = n_fed - n_keep
-        recurrent = [(i, c) for i, c in enumerate(cache) if isinstance(c, RecurrentCache)]
+        recurrent = [(i, c) for i, c in enumerate(cache) if kind_of(c).replays]
         if drop:
             for i, c in recurrent:
                 if c.tape is None:
                     raise RuntimeError(f"layer {i}: recurrent cache was not armed before the verify pass")
             replay_layers([(self._replayers[i], c) for i, c in recurrent], n_keep, self.stacked_replay)
             for i, c in enumerate(cache):
-                if isinstance(c, RecurrentCache):
+                if kind_of(c).replays:
                     continue
                 trimmed = c.trim(drop)
                 if trimmed != drop:
@@ -432,11 +433,11 @@ class Target:
         """`commit` for batched caches (`batch_cache.py`): row b keeps `n_keep[b]` tokens."""
         if not all(0 < n <= n_fed for n in n_keep):
             raise ValueError(f"every n_keep must be in [1, {n_fed}], got {n_keep}")
-        recurrent = [(i, c) for i, c in enumerate(cache) if isinstance(c, RecurrentCache)]
+        recurrent = [(i, c) for i, c in enumerate(cache) if kind_of(c).replays]
         if min(n_keep) < n_fed:
             replay_layers([(self._replayers[i], c) for i, c in recurrent], max(n_keep), self.stacked_replay, n_keep)
         for c in cache:
-            if isinstance(c, RecurrentCache):
+            if kind_of(c).replays:
                 c.disarm()
             else:
                 c.commit(n_fed, n_keep)

@@ -14,9 +14,10 @@ import mlx.core as mx
 import pytest
 
 from dflash2_mlx import generate
-from dflash2_mlx.core import batch_cache, batch_engine
+from dflash2_mlx.core import batch_cache, batch_engine, ragged
 from dflash2_mlx.core.batch_engine import SpeculativeBatch
 from dflash2_mlx.core.block_policy import BatchWidthPolicy, Costs, batch_costs
+from dflash2_mlx.core.cache_kinds import kind_of
 from dflash2_mlx.core.prompt_cache import PromptCache
 from dflash2_mlx.core.sampling import SamplingParams
 from dflash2_mlx.drafter.context import DraftContext
@@ -97,7 +98,7 @@ REPLAYS = {"per-layer": dict(stacked_replay=False), "generic": dict(fast_recurre
 
 @pytest.mark.parametrize("family", FAMILIES + ["qwen3_5-per-layer", "qwen3_5-generic"])
 def test_rows_keeping_different_prefixes_of_one_verify_pass(family, monkeypatch):
-    monkeypatch.setattr(batch_cache, "COMPACT_MIN_SLOTS", 8)  # pack holes often
+    monkeypatch.setattr(ragged, "COMPACT_MIN_SLOTS", 8)  # pack holes often
     monkeypatch.setattr(batch_engine, "COMPACT_EVERY", 2)
     family, _, replay = family.partition("-")  # the recurrent replay's stacked path, its per-layer and generic twins
     target = tiny_target(family, **REPLAYS.get(replay, {}))
@@ -208,8 +209,8 @@ def test_a_rows_caches_go_back_into_its_prompt_cache(family):
 
 
 def test_ragged_cache_mask_matches_positions():
-    cache = batch_cache.RaggedKVCache(window=3)
-    cache.add_rows([_kv(4), _kv(2)])
+    cache = ragged.RaggedKVCache(window=3)
+    kind_of(cache).add_rows(cache, [_kv(4), _kv(2)])
     cache.update_and_fetch(mx.zeros((2, 1, 2, 2)), mx.zeros((2, 1, 2, 2)))
     cache.commit(2, [2, 1])  # row 1 rejects its second token
     assert cache.lengths.tolist() == [6, 3]
@@ -407,14 +408,14 @@ def test_one_rows_error_leaves_the_other_rows_decoding(arch):
 
 
 def test_packing_a_window_batch_keeps_spare_slots_so_a_leaving_row_can_trim():
-    from dflash2_mlx.core.caches import can_trim
+    from dflash2_mlx.core.cache_kinds import can_trim
 
-    cache = batch_cache.RaggedKVCache(window=8)
-    cache.add_rows([_kv(150), _kv(120)])
+    cache = ragged.RaggedKVCache(window=8)
+    kind_of(cache).add_rows(cache, [_kv(150), _kv(120)])
     assert cache.compact()  # most slots sit outside the window
-    row = cache.row_cache(0, reserve=batch_cache.WINDOW_SPARE)
-    assert row.offset == 150 and row.n_stored == 8 - 1 + batch_cache.WINDOW_SPARE
-    assert can_trim(row, batch_cache.WINDOW_SPARE)  # a next turn that diverges that far back trims exactly
+    row = cache.row_cache(0, reserve=ragged.WINDOW_SPARE)
+    assert row.offset == 150 and row.n_stored == 8 - 1 + ragged.WINDOW_SPARE
+    assert can_trim(row, ragged.WINDOW_SPARE)  # a next turn that diverges that far back trims exactly
     assert cache.n_slots < 150  # and the packing still frees the rest
 
 

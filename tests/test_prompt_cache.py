@@ -68,7 +68,8 @@ def test_exact_kinds_trim_and_others_fall_back_to_the_mark(target):
 
 
 def test_a_window_cache_trims_only_the_rows_it_holds():
-    from dflash2_mlx.core.caches import WindowKVCache, can_trim
+    from dflash2_mlx.core.cache_kinds import can_trim
+    from dflash2_mlx.core.caches import WindowKVCache
 
     c = WindowKVCache(window=8, reserve=2)
     row = mx.zeros((1, 1, 1, 4))
@@ -82,7 +83,8 @@ def test_a_window_cache_trims_only_the_rows_it_holds():
 def test_a_restored_or_cloned_cache_takes_new_rows(kind):
     from mlx_lm.models.cache import KVCache
 
-    from dflash2_mlx.core.caches import WindowKVCache, clone, restore, snapshot
+    from dflash2_mlx.core.cache_kinds import clone, restore, snapshot
+    from dflash2_mlx.core.caches import WindowKVCache
 
     def make():
         return WindowKVCache(window=8, reserve=4) if kind == "window" else KVCache()

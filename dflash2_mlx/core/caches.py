@@ -164,16 +164,8 @@ class RecurrentCache(ArraysCache):
         self.cache = list(self.checkpoint)
 
 
+# mlx-lm's kinds speculation takes as they are (their trim is exact)
 TRIMMABLE_KINDS = (KVCache, QuantizedKVCache, WindowKVCache)
-
-
-def can_trim(cache, n: int) -> bool:
-    """Whether dropping the last `n` tokens of `cache` is exact (a recurrent state never is)."""
-    if n <= 0:
-        return True
-    if isinstance(cache, WindowKVCache):
-        return n <= cache.offset and cache.n_stored - n >= min(cache.offset - n, cache.window - 1)
-    return isinstance(cache, TRIMMABLE_KINDS) and n <= cache.offset
 
 
 def _as_kv_cache(c: ConcatenateKVCache) -> KVCache:
@@ -210,80 +202,3 @@ def adapt_cache(cache: list, reserve: int) -> list:
             + ", ".join(refused)
         )
     return adapted
-
-
-def snapshot(cache):
-    """What `restore` needs to bring `cache` back to its state now, without copying what a trim
-    reaches exactly: the offset of a KV cache, a copy of a window's rows, a recurrent state."""
-    if isinstance(cache, WindowKVCache):
-        if cache.keys is None:
-            return ("window", None)
-        n = cache.n_stored
-        # copies, not views: a view would keep the cache's whole buffer alive once it moves on
-        k, v = mx.contiguous(cache.keys[..., :n, :]), mx.contiguous(cache.values[..., :n, :])
-        mx.eval(k, v)
-        return ("window", (k, v, cache.offset, n))
-    if isinstance(cache, ArraysCache):
-        return ("arrays", list(cache.cache))  # replaced, never written in place, by the layers
-    if isinstance(cache, TRIMMABLE_KINDS):
-        return ("offset", cache.offset)
-    raise UnsupportedCacheError(f"cannot snapshot a {type(cache).__name__}")
-
-
-def restore(cache, snap) -> None:
-    """Bring `cache` back to `snapshot(cache)`'s state (a KV cache must not have been trimmed below it)."""
-    kind, state = snap
-    if kind == "offset":
-        if cache.offset < state:
-            raise ValueError(f"cannot restore a cache at offset {cache.offset} to offset {state}")
-        cache.trim(cache.offset - state)
-    elif kind == "arrays":
-        cache.cache = list(state)
-    elif state is None:
-        cache.keys = cache.values = None
-        cache.offset = cache.n_stored = 0
-    else:
-        k, v, cache.offset, cache.n_stored = state
-        # Fresh slices: an in-place write into the restored cache must leave the snapshot whole.
-        cache.keys, cache.values = k[..., : cache.n_stored, :], v[..., : cache.n_stored, :]
-
-
-def cache_nbytes(cache) -> int:
-    """Bytes a cache holds (0 when empty)."""
-    if isinstance(cache, ArraysCache):
-        return sum(a.nbytes for a in cache.cache if a is not None)
-    if getattr(cache, "keys", None) is None:
-        return 0
-    if isinstance(cache, QuantizedKVCache):
-        return sum(a.nbytes for part in (cache.keys, cache.values) for a in part)
-    return cache.keys.nbytes + cache.values.nbytes
-
-
-def clone(cache):
-    """An independent copy of `cache` (sharing buffers until either one writes: MLX copies
-    on write into a buffer that something else still holds)."""
-    if isinstance(cache, WindowKVCache):
-        out = WindowKVCache(cache.window, cache.reserve)
-        if cache.keys is not None:
-            n = cache.n_stored
-            out.keys, out.values = cache.keys[..., :n, :], cache.values[..., :n, :]
-        out.offset, out.n_stored = cache.offset, cache.n_stored
-        return out
-    if isinstance(cache, ArraysCache):
-        out = type(cache)(len(cache.cache))
-        out.cache = list(cache.cache)  # the layers replace these arrays, never write into them
-        return out
-    if isinstance(cache, QuantizedKVCache):
-        out = QuantizedKVCache(cache.group_size, cache.bits)
-        if cache.keys is not None:
-            out.keys, out.values = (tuple(a[..., : cache.offset, :] for a in part)
-                                    for part in (cache.keys, cache.values))
-        out.offset = cache.offset
-        return out
-    if isinstance(cache, KVCache):
-        out = KVCache()
-        if cache.keys is not None:
-            out.keys, out.values = cache.keys[..., : cache.offset, :], cache.values[..., : cache.offset, :]
-        out.offset = cache.offset
-        return out
-    raise UnsupportedCacheError(f"cannot copy a {type(cache).__name__}")

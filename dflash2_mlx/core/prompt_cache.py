@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .caches import RecurrentCache, WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
+from .cache_kinds import cache_nbytes, can_trim, clone, kind_of, restore, snapshot
 
 DEFAULT_RESERVE = 64  # tokens a window cache can drop exactly past its window (and the widest verify)
 
@@ -138,15 +138,14 @@ class PromptCache:
         return ok and (self.context is None or self.context.can_trim(n))
 
     def _blocker(self) -> str:
-        kinds = {type(c).__name__ for c in self.target_cache if isinstance(c, (RecurrentCache, WindowKVCache))}
+        kinds = {type(c).__name__ for c in self.target_cache if kind_of(c).needs_mark}
         if self.context is not None:
             kinds.add("the drafter's sliding context")
         return ", ".join(sorted(kinds)) or "unknown"
 
     def _trim(self, n: int) -> None:
         for c in self.target_cache:
-            if n and not isinstance(c, RecurrentCache):
-                c.trim(n)
+            kind_of(c).trim(c, n)
         if self.context is not None:
             self.context.trim(n)
 
@@ -155,9 +154,8 @@ class PromptCache:
     @property
     def needs_mark(self) -> bool:
         """Whether some cache cannot be trimmed arbitrarily deep (so `take_mark` pays)."""
-        kinds = (RecurrentCache, WindowKVCache)
-        return any(isinstance(c, kinds) for c in self.target_cache) or (
-            self.context is not None and any(isinstance(c, WindowKVCache) for c in self.context.cache))
+        caches = self.target_cache + (self.context.cache if self.context is not None else [])
+        return any(kind_of(c).needs_mark for c in caches)
 
     def take_mark(self, n_tokens: int) -> None:
         """Snapshot the caches now, while they cover `n_tokens` tokens (the engine calls this
@@ -177,33 +175,18 @@ class PromptCache:
     def nbytes(self) -> int:
         """Bytes held: caches, the drafter's context and what the mark alone keeps alive (its
         window copies, and recurrent states and pending rows the live caches moved past)."""
-        live = {id(a) for c in self.target_cache for a in _arrays(c)}
+        live = {id(a) for c in self.target_cache for a in kind_of(c).live_arrays(c)}
         n = sum(cache_nbytes(c) for c in self.target_cache)
         if self.context is not None:
             n += self.context.nbytes
             live |= {id(h) for h in self.context.pending}
         if self._mark is not None:
-            n += sum(_snap_bytes(s, live) for s in self._mark.target)
+            n += sum(kind_of(c).snapshot_nbytes(s, live) for c, s in zip(self.target_cache, self._mark.target))
             if self._mark.context:
                 caches, pending, _ = self._mark.context
-                n += sum(_snap_bytes(s, live) for s in caches)
+                n += sum(kind_of(c).snapshot_nbytes(s, live) for c, s in zip(self.context.cache, caches))
                 n += sum(h.nbytes for h in pending if id(h) not in live)
         return n
-
-
-def _arrays(cache) -> list:
-    state = getattr(cache, "cache", None)
-    return [a for a in state if a is not None] if isinstance(state, list) else []
-
-
-def _snap_bytes(snap, live: set[int]) -> int:
-    """Bytes a snapshot holds that the live caches do not (offsets cost nothing)."""
-    kind, state = snap
-    if kind == "window" and state is not None:
-        return state[0].nbytes + state[1].nbytes
-    if kind == "arrays":
-        return sum(a.nbytes for a in state if a is not None and id(a) not in live)
-    return 0
 
 
 # -- on disk ----------------------------------------------------------------------------------
@@ -270,18 +253,9 @@ def load_prompt_cache(path, target, drafter=None) -> PromptCache:
 
 def _pack(prefix: str, c, arrays: dict) -> dict:
     """Layer `c`'s scalars (returned) and arrays (into `arrays`, under `prefix`)."""
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    kind = type(c).__name__
-    if isinstance(c, RecurrentCache):
-        arrays.update({f"{prefix}.{j}": a for j, a in enumerate(c.cache) if a is not None})
-        return {"kind": kind, "n": len(c.cache)}
-    if c.keys is None:
-        return {"kind": kind, "offset": 0, "empty": True}
-    n = c.n_stored if isinstance(c, WindowKVCache) else c.offset
-    parts = (c.keys + c.values) if isinstance(c, QuantizedKVCache) else (c.keys, c.values)
-    arrays.update({f"{prefix}.{j}": a[..., :n, :] for j, a in enumerate(parts)})
-    return {"kind": kind, "offset": c.offset, "n": n, "parts": len(parts)}
+    meta, parts = kind_of(c).pack(c)
+    arrays.update({f"{prefix}.{j}": a for j, a in enumerate(parts) if a is not None})
+    return meta
 
 
 def _unpack_all(path, prefix: str, caches: list, layers: list[dict], arrays: dict) -> None:
@@ -289,22 +263,5 @@ def _unpack_all(path, prefix: str, caches: list, layers: list[dict], arrays: dic
     if kinds != [layer["kind"] for layer in layers]:
         raise ConfigError(f"{path} holds caches {[layer['kind'] for layer in layers]}, this pair makes {kinds}")
     for i, (c, layer) in enumerate(zip(caches, layers)):
-        _unpack(c, layer, [arrays.get(f"{prefix}.{i}.{j}") for j in range(layer.get("parts", layer.get("n", 0)))])
-
-
-def _unpack(c, layer: dict, parts: list) -> None:
-    from mlx_lm.models.cache import QuantizedKVCache
-
-    if isinstance(c, RecurrentCache):
-        c.cache = parts
-        return
-    if layer.get("empty"):
-        return
-    if isinstance(c, QuantizedKVCache):
-        half = len(parts) // 2
-        c.keys, c.values = tuple(parts[:half]), tuple(parts[half:])
-    else:
-        c.keys, c.values = parts
-    c.offset = layer["offset"]
-    if isinstance(c, WindowKVCache):
-        c.n_stored = layer["n"]
+        n_parts = layer.get("parts", layer.get("n", 0))
+        kind_of(c).unpack(c, layer, [arrays.get(f"{prefix}.{i}.{j}") for j in range(n_parts)])

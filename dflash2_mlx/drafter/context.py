@@ -18,7 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from ..core.caches import WindowKVCache, cache_nbytes, can_trim, clone, restore, snapshot
+from ..core.cache_kinds import cache_nbytes, can_trim, clone, restore, snapshot
+from ..core.caches import WindowKVCache
 
 MAX_PENDING_PARTS = 32  # long plain stretches feed one row at a time: keep the list short
 # Pending rows may grow to this many times the limit before the unseen ones are dropped, so a
@@ -93,7 +94,7 @@ class DraftContext:
         self.n_tokens -= n
 
     def clone(self) -> "DraftContext":
-        """An independent copy (see `caches.clone`)."""
+        """An independent copy (see `cache_kinds.clone`)."""
         other = DraftContext([clone(c) for c in self.cache], self.limit)
         other.pending, other.n_tokens = list(self.pending), self.n_tokens
         return other

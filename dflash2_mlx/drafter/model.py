@@ -15,7 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.rope_utils import initialize_rope
 
-from ..core.caches import WindowKVCache
+from ..core.cache_kinds import kind_of
 from ..errors import ConfigError
 from .config import DrafterConfig, check_fits
 from .context import DraftContext, draft_caches
@@ -37,8 +37,7 @@ class MLP(nn.Module):
 
 def _stored(cache) -> tuple[mx.array, mx.array]:
     """Context K/V already in a draft cache, without appending."""
-    n = cache.n_stored if isinstance(cache, WindowKVCache) else cache.offset
-    return cache.keys[..., :n, :], cache.values[..., :n, :]
+    return kind_of(cache).stored(cache)
 
 
 def block_attention_mask(n_ctx: int, L: int, window: int | None, causal: bool):
