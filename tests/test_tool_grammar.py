@@ -114,6 +114,20 @@ def test_a_rendered_call_is_accepted_and_parses_back(fmt, calls):
     assert [(c["name"], c["arguments"]) for c in parse(tokenizer, text)] == calls
 
 
+@pytest.mark.parametrize("fmt", [f for f in FORMATS if f != "pythonic"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_newline_after_the_last_call_may_end_the_reply(fmt, parallel):
+    """Qwen2.5 writes a newline after each call and then ends: the grammar must let it end there,
+    not force another call (which looped until max_tokens)."""
+    tokenizer = byte_tokenizer(fmt)
+    grammar = forced_call_grammar(tokenizer, TOOLS, "required", parallel, "m")
+    one = render(fmt, [("weather", {"city": "Oslo"})])
+    assert accepts(tokenizer, grammar, one + "\n")
+    assert not accepts(tokenizer, grammar, one + "\n\n")
+    two = render(fmt, [("weather", {"city": "Oslo"}), ("ping", {})])
+    assert accepts(tokenizer, grammar, two + "\n") == parallel
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_parallel_calls_only_when_allowed(fmt):
     tokenizer = byte_tokenizer(fmt)

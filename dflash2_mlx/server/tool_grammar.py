@@ -56,7 +56,10 @@ def forced_call_grammar(tokenizer, tools: list[dict], choice: str, parallel: boo
         calls = 'call ("," " "? call)*' if many else "call"
         head = f'start: {open_} "[" {calls} "]" {close}'
     else:
-        head = ("start: tc (/\\n?/ tc)*" if many else "start: tc") + f"\ntc: {open_} /\\n?/ call /\\n?/ {close}"
+        # A newline may end the reply too: models write one after each call (Qwen2.5 then ends), and a
+        # grammar that takes it only before another call forces call after call until max_tokens.
+        calls = "tc (/\\n?/ tc)*" if many else "tc"
+        head = f"start: {calls} /\\n?/\ntc: {open_} /\\n?/ call /\\n?/ {close}"
     return lark_grammar(f"{head}\n{rules}", f"{param} schema")
 
 
