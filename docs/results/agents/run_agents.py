@@ -120,7 +120,7 @@ def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float)
 
 
 def agents_sdk(server: Server, model: str, work: Path) -> list[dict]:
-    from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
@@ -131,8 +131,11 @@ def agents_sdk(server: Server, model: str, work: Path) -> list[dict]:
         return (work / "notes.txt").read_text()
 
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="local", max_retries=0)
+    # The first turn must call a tool (tool_choice "required", forced by the server's grammar); the
+    # SDK then resets the choice to auto, so the model answers from what the tool returned.
     agent = Agent(name="helper", instructions="Use the tools to answer.", tools=[read_notes],
-                  model=OpenAIResponsesModel(model=model, openai_client=client))
+                  model=OpenAIResponsesModel(model=model, openai_client=client),
+                  model_settings=ModelSettings(tool_choice="required"))
     before = len(server.lines())
     t0 = time.perf_counter()
     try:
