@@ -60,6 +60,12 @@ stage_ab() {
 #          B: the same with LR=3e-4 OUT=runs/v5b-lr3e-4
 #        both stopped and resumed with STEPS=2000 (A at its step-1,500 checkpoint, B at 1,250) so the
 #        decay ended inside the session.
+#    v6 (2026-12-04, stop 34, fresh machine): segments 10-15 generated at stop 33 (two workers, ~4.5 CPU-h);
+#        SEGMENTS=10-15 run_v3.sh rebuild stopped after 10-13 (two workers, 76 min, ~2.2 CPU-h; 14-15 are
+#        rebuilt the same way next time), the eval set rebuilt (4 min), then warm from v5
+#        (models/smollm2-135m-dflash2 at b18d74e) on the four segments v5 never saw, one core:
+#          WARM=models/smollm2-135m-dflash2 LR=3e-4 STEPS=2000 SHARDS='onp-0001[0-3]-*' OUT=runs/v6
+#        resumed at its step-500 checkpoint with STEPS=1500 so the decay ended inside the session.
 stage_long() {
   dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
       --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr "${LR:-1e-3}" --schedule wsd \
