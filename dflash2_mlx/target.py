@@ -420,8 +420,9 @@ class Target:
                 if c.tape is None:
                     raise RuntimeError(f"layer {i}: recurrent cache was not armed before the verify pass")
             replay_layers([(self._replayers[i], c) for i, c in recurrent], n_keep, self.stacked_replay)
+            replayed = {i for i, _ in recurrent}
             for i, c in enumerate(cache):
-                if kind_of(c).replays:
+                if i in replayed:
                     continue
                 trimmed = c.trim(drop)
                 if trimmed != drop:
@@ -436,8 +437,9 @@ class Target:
         recurrent = [(i, c) for i, c in enumerate(cache) if kind_of(c).replays]
         if min(n_keep) < n_fed:
             replay_layers([(self._replayers[i], c) for i, c in recurrent], max(n_keep), self.stacked_replay, n_keep)
-        for c in cache:
-            if kind_of(c).replays:
+        replayed = {i for i, _ in recurrent}
+        for i, c in enumerate(cache):
+            if i in replayed:
                 c.disarm()
             else:
                 c.commit(n_fed, n_keep)

@@ -376,8 +376,14 @@ _KINDS: tuple[tuple[type, CacheKind], ...] = (
 )
 
 
+_BY_TYPE: dict[type, CacheKind] = dict(_KINDS)  # the exact classes: one lookup per layer on the decode path
+
+
 def kind_of(cache) -> CacheKind:
     """The adapter of `cache`'s kind; a cache of another kind is refused, named."""
+    kind = _BY_TYPE.get(type(cache))
+    if kind is not None:
+        return kind
     for cls, kind in _KINDS:
         if isinstance(cache, cls):
             return kind
