@@ -124,29 +124,32 @@ def agents_sdk(server: Server, model: str, work: Path) -> list[dict]:
     from openai import AsyncOpenAI
 
     set_tracing_disabled(True)
+    calls: list[str] = []  # the tool's own record: a run the SDK aborts later still called it
 
     @function_tool
     def read_notes() -> str:
         """Read the project's notes.txt file."""
+        calls.append("read_notes")
         return (work / "notes.txt").read_text()
 
     client = AsyncOpenAI(base_url=f"{server.url}/v1", api_key="local", max_retries=0)
-    # The first turn must call a tool (tool_choice "required", forced by the server's grammar); the
-    # SDK then resets the choice to auto, so the model answers from what the tool returned.
+    # The first turn must call a tool (tool_choice "required", forced by the server's grammar). The
+    # run stops at the tool's output: after it the 0.5B model writes bare JSON instead of an answer,
+    # once until max_output_tokens, which the SDK raises on; what is tested is the tool loop.
     agent = Agent(name="helper", instructions="Use the tools to answer.", tools=[read_notes],
                   model=OpenAIResponsesModel(model=model, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required"))
+                  model_settings=ModelSettings(tool_choice="required"), tool_use_behavior="stop_on_first_tool")
     before = len(server.lines())
     t0 = time.perf_counter()
     try:
         result = Runner.run_sync(agent, ASK, max_turns=4)
     except Exception as e:  # noqa: BLE001 - reported in the table as a failed run, not a crash of the driver
         return [{"client": "agents-sdk", "turn": 1, "exit": 1, "wall_s": round(time.perf_counter() - t0, 1),
-                 "answer": None, "requests": server.lines()[before:], "tool_calls": 0,
+                 "answer": None, "requests": server.lines()[before:], "tool_calls": len(calls),
                  "raw_tail": f"{type(e).__name__}: {e}"[-1500:]}]
     return [{"client": "agents-sdk", "turn": 1, "exit": 0, "wall_s": round(time.perf_counter() - t0, 1),
              "answer": str(result.final_output), "requests": server.lines()[before:],
-             "tool_calls": sum(1 for item in result.new_items if item.type == "tool_call_item")}]
+             "tool_calls": len(calls)}]
 
 
 def _last_json(text: str) -> dict | None:
