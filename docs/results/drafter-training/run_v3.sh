@@ -66,12 +66,15 @@ stage_ab() {
 #        (models/smollm2-135m-dflash2 at b18d74e) on the four segments v5 never saw, one core:
 #          WARM=models/smollm2-135m-dflash2 LR=3e-4 STEPS=2000 SHARDS='onp-0001[0-3]-*' OUT=runs/v6
 #        resumed at its step-500 checkpoint with STEPS=1500 so the decay ended inside the session.
+#    v7 arms (2026-12-04, stop 35): v6's run with one recipe change each, EXTRA='--dpace' and
+#        EXTRA='--kl-weight 0.5 --ce-weight 0.5', OUT=runs/v7-<arm>, STEPS=2000 stopped at the step-500
+#        checkpoint and resumed with STEPS=1500, as v6 was; two side by side, one core each.
 stage_long() {
   dflash2 train fit smollm2-demo --data $D/pool --eval-data $D/eval --holdout-shards 0 --arch dflash2 \
       --warm-start "${WARM:-models/smollm2-135m-dflash2}" --block-size 4 --seqs 2 --anchors 64 --lr "${LR:-1e-3}" --schedule wsd \
       --train-vocab models/smollm2-135m-dflash2/proposal_vocab.json --train-vocab-size 8192 --taps 1,8,14,20,27 \
       --steps "${STEPS:-20000}" --eval-every 1000 --save-every 250 --eval-blocks 4,8 --seed 0 \
-      --out "${OUT:-runs/v3-long}" --shards "${SHARDS:-onp-0000[0-3]-*}" --resume
+      --out "${OUT:-runs/v3-long}" --shards "${SHARDS:-onp-0000[0-3]-*}" --resume ${EXTRA:-}
 }
 
 case "${1:-all}" in
