@@ -13,7 +13,7 @@ tok/s, τ) from the server's request log, checks every client finished (exit 0 /
 that greedy replies are equal with and without the drafter. Writes JSON with `--json`.
 
     python docs/results/agents/run_agents.py --model qwen2.5-coder-0.5b --drafters none,PATH \\
-        --bin /work/agents/node_modules/.bin --json docs/results/agents/agents.json
+        --block-size 4 --json docs/results/agents/agents.json
 
 Telemetry is off for both CLIs (DISABLE_TELEMETRY, CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC,
 Codex `[analytics] enabled = false`).
@@ -181,7 +181,8 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--drafters", default="none", help="comma-separated --drafter values, one server each")
     ap.add_argument("--clients", default="claude-code,codex,agents-sdk")
-    ap.add_argument("--bin", default="/work/agents/node_modules/.bin", help="where `claude` and `codex` are")
+    ap.add_argument("--bin", default=str(Path(__file__).resolve().parents[3] / ".agents" / "node_modules" / ".bin"),
+                    help="where `claude` and `codex` are (default: where `make test-real` installs them)")
     ap.add_argument("--timeout", type=float, default=1800)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `dflash2 serve` argument")
     ap.add_argument("--block-size", default=None, help="`--block-size` for the servers that have a drafter")
