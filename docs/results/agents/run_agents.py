@@ -36,6 +36,9 @@ from pathlib import Path
 
 SECRET = "violet-harbor-42"
 NOTES = f"Project notes\nThe deploy codename is {SECRET}.\nOwner: platform team.\n"
+# Codex drops a stream after 5 idle minutes; its first prompt can prefill longer than that on a
+# 2-core CPU, and SSE comments do not reset its timer.
+STREAM_IDLE_MS = 1_800_000
 ASK = "What is the deploy codename written in notes.txt? Read the file, then answer with the codename only."
 FOLLOW = "Which team owns the project, according to the same file? Answer in one short sentence."
 
@@ -111,7 +114,7 @@ def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float)
         f'model = "{model}"\nmodel_provider = "dflash2"\nweb_search = "disabled"\napproval_policy = "never"\n'
         f'sandbox_mode = "workspace-write"\n\n[model_providers.dflash2]\nname = "dflash2"\n'
         f'base_url = "{server.url}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\n'
-        f'stream_max_retries = 0\n\n[analytics]\nenabled = false\n')
+        f'stream_max_retries = 0\nstream_idle_timeout_ms = {STREAM_IDLE_MS}\n\n[analytics]\nenabled = false\n')
     env = os.environ | {"CODEX_HOME": str(home)}
     before = len(server.lines())
     code, out, wall = run([str(bin_dir / "codex"), "exec", "--skip-git-repo-check", ASK], work, env, timeout)
