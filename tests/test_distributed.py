@@ -98,7 +98,8 @@ def test_doctor_shows_each_rank_of_the_group(tmp_path):
     assert [r for r, _ in ranks] == [0, 1] and "drafter" in ranks[0][1] and "drafter" not in ranks[1][1]
 
 
-def test_dflash2_serve_under_mlx_launch_answers_with_both_ranks_and_stops_on_sigterm(tmp_path):
+@pytest.mark.parametrize("family, mode", [("qwen3", "tensor"), ("qwen3_5", "pipeline")])
+def test_dflash2_serve_under_mlx_launch_answers_with_both_ranks_and_stops_on_sigterm(tmp_path, family, mode):
     import os
     import signal
     import time
@@ -107,12 +108,12 @@ def test_dflash2_serve_under_mlx_launch_answers_with_both_ranks_and_stops_on_sig
 
     from tiny import save_tiny_pair
 
-    target, drafter = save_tiny_pair(tmp_path, "qwen3", block_size=4)
+    target, drafter = save_tiny_pair(tmp_path, family, block_size=4)
     cli = Path(sys.executable).parent / "dflash2"
     port = _free_port()
     cmd = [LAUNCH, "-n", "2", "--backend", "ring", "--starting-port", str(_free_port()), "--python", sys.executable,
            "--", str(cli), "serve", str(target), "--drafter", str(drafter), "--port", str(port), "--block-size", "4",
-           "--json"]
+           "--shard", mode, "--json"]
     log = open(tmp_path / "serve.log", "w+")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -136,7 +137,7 @@ def test_dflash2_serve_under_mlx_launch_answers_with_both_ranks_and_stops_on_sig
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     run = launch(cli, "run", target, "--drafter", drafter, "--no-chat-template", "abc", "--max-tokens", "12",
-                 "--block-size", "4", "--json")
+                 "--block-size", "4", "--shard", mode, "--json")
     assert run.returncode == 0, run.stderr[-3000:]
     assert texts == [json.loads(run.stdout[run.stdout.index("{"):])["text"]] * 2
     assert "Traceback" not in (tmp_path / "serve.log").read_text()
