@@ -90,3 +90,11 @@ def test_what_a_kind_cannot_do_is_refused_naming_it():
     recurrent = _make("RecurrentCache")
     with pytest.raises(UnsupportedCacheError, match="a RecurrentCache cannot give its stored keys"):
         kind_of(recurrent).stored(recurrent)
+
+
+def test_the_exact_class_lookup_gives_the_kind_the_isinstance_scan_gives():
+    from dflash2_mlx.core import cache_kinds
+
+    for cls, _ in cache_kinds._KINDS:  # a subclass listed after its base would make the two disagree
+        scanned = next(kind for base, kind in cache_kinds._KINDS if issubclass(cls, base))
+        assert cache_kinds._BY_TYPE[cls] is scanned, cls.__name__
