@@ -136,6 +136,11 @@ def serve(
                                                        help="Append one JSON line per finished request: "
                                                             "endpoint, prompt and cached tokens, time to first "
                                                             "token, decode rate, tokens per cycle.")] = None,
+    heartbeat: Annotated[float, typer.Option("--heartbeat", min=0.001, metavar="SECONDS",
+                                             help="Seconds without output (a long prefill) after which a "
+                                                  "stream sends a keep-alive its client counts: Responses "
+                                                  "response.in_progress (Codex drops a stream silent for "
+                                                  "300 s), Messages ping, an SSE comment elsewhere.")] = 10.0,
     block_size: BlockSizeOpt = None,
     draft_bits: DraftBitsOpt = None,
     kv_bits: KvBitsOpt = None,
@@ -156,7 +161,7 @@ def serve(
                           default_temperature=temp, shutdown_timeout=shutdown_timeout, log_level=log_level,
                           max_connections=max_connections, read_timeout=read_timeout, prefill_chunk=prefill_chunk,
                           prompt_cache_bytes=parse_bytes(prompt_cache_bytes, "--prompt-cache-bytes"),
-                          max_batch=max_batch, request_log=request_log,
+                          max_batch=max_batch, request_log=request_log, heartbeat=heartbeat,
                           batch_memory=None if batch_memory == "auto" else parse_bytes(batch_memory, "--batch-memory"),
                           allowed_hosts=tuple(allowed_host or ()), cors_origins=tuple(cors_origin or ()))
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:

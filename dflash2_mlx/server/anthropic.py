@@ -40,7 +40,7 @@ from . import dispatch, reasoning, tools
 from .dispatch import ServerState, StateDep
 from .errors import APIError, error_body
 from .schema import CountTokensRequest, MessagesRequest
-from .worker import Job, JobFailed
+from .worker import IDLE, Job, JobFailed
 
 router = APIRouter(prefix="/v1", tags=["anthropic"])
 
@@ -203,7 +203,10 @@ async def _events(state: ServerState, job: Job, calls, split, show_thinking: boo
     yield _event("message_start", {"message": _message(job, state, [], final=False)})
     blocks = _Blocks()
     try:
-        async for event in job.events():
+        async for event in job.events(idle=state.config.heartbeat):
+            if event is IDLE:
+                yield _event("ping", {})
+                continue
             for e in _pieces(blocks, calls, reasoning.pieces(split, event.text), show_thinking):
                 yield e
         for e in _pieces(blocks, calls, reasoning.pieces(split, "", final=True), show_thinking, final=True):
@@ -301,7 +304,7 @@ async def messages(body: MessagesRequest, request: Request, state: StateDep):
     split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
     if body.stream:
         events = _events(state, job, calls, split, _shows_thinking(body))
-        return EventSourceResponse(dispatch.guarded(state, job, events), sep="\n",
+        return EventSourceResponse(dispatch.guarded(state, job, events), sep="\n", ping=state.config.heartbeat,
                                    shutdown_grace_period=state.config.shutdown_timeout, headers=headers)
     text, _ = await dispatch.collect(request, state, job)
     thought, text = reasoning.split_all(split, text)

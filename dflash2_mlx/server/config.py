@@ -19,6 +19,7 @@ DEFAULT_READ_TIMEOUT = 15.0
 DEFAULT_PREFILL_CHUNK = 512
 DEFAULT_PROMPT_CACHE_BYTES = 2 << 30
 DEFAULT_MAX_BATCH = 32  # rows, as mlx_lm.server's --decode-concurrency
+DEFAULT_HEARTBEAT = 10.0  # seconds; Codex drops a stream after 300 s without an event
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 
 
@@ -53,6 +54,9 @@ class ServerConfig:
         batch_memory: bytes for the K/V of the requests decoding together; a request whose prompt
             + max_tokens would not fit waits for others to end. None: half the device's memory
             less the weights and the prefix cache (`capacity.auto_budget`).
+        heartbeat: seconds without output (a long prefill, a queue) after which a stream sends a
+            keep-alive event its clients count as activity: Responses `response.in_progress`,
+            Messages `ping`, an SSE comment on the other streams.
         request_log: a JSON-lines file that gets one line per finished request (endpoint, prompt
             and cached tokens, time to first token, decode rate, tokens per cycle), or None.
     """
@@ -77,6 +81,7 @@ class ServerConfig:
     max_batch: int = DEFAULT_MAX_BATCH
     batch_memory: int | None = None
     request_log: str | None = None
+    heartbeat: float = DEFAULT_HEARTBEAT
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -99,6 +104,8 @@ class ServerConfig:
             raise ConfigError(f"--max-connections must be >= 2, got {self.max_connections}")
         if not self.read_timeout > 0:
             raise ConfigError(f"--read-timeout must be > 0 seconds, got {self.read_timeout}")
+        if not self.heartbeat > 0:
+            raise ConfigError(f"--heartbeat must be > 0 seconds, got {self.heartbeat}")
         if self.prefill_chunk < 16:
             raise ConfigError(f"prefill_chunk must be >= 16 tokens, got {self.prefill_chunk}")
         if self.max_batch < 1:

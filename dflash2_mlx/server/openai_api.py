@@ -168,7 +168,8 @@ async def _sse(job: Job, chunk, final, include_usage: bool, head: dict, calls=No
 
 def _stream_response(state: ServerState, job: Job, chunks) -> EventSourceResponse:
     grace = state.config.shutdown_timeout
-    return EventSourceResponse(dispatch.guarded(state, job, chunks), sep="\n", shutdown_grace_period=grace)
+    return EventSourceResponse(dispatch.guarded(state, job, chunks), sep="\n", shutdown_grace_period=grace,
+                              ping=state.config.heartbeat)
 
 
 async def _response_format(state: ServerState, body: ChatCompletionRequest):

@@ -39,7 +39,7 @@ from . import dispatch, reasoning, tools
 from .dispatch import ServerState, StateDep
 from .errors import APIError
 from .schema import ResponsesRequest
-from .worker import Job, JobFailed
+from .worker import IDLE, Job, JobFailed
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 
@@ -267,7 +267,7 @@ async def create_response(body: ResponsesRequest, request: Request, state: State
     split = reasoning.ReasoningSplit.for_prompt(state.session.target.tokenizer, ids)
     run = _Run(state, body, job, calls, spaces, messages, split)
     if body.stream:
-        return EventSourceResponse(dispatch.guarded(state, job, run.events()), sep="\n",
+        return EventSourceResponse(dispatch.guarded(state, job, run.events()), sep="\n", ping=state.config.heartbeat,
                                    shutdown_grace_period=state.config.shutdown_timeout)
     text, _ = await dispatch.collect(request, state, job)
     thought, text = reasoning.split_all(split, text)
@@ -321,7 +321,11 @@ class _Run:
         output: list[dict] = []
         text = _OpenText()
         try:
-            async for event in job.events():
+            async for event in job.events(idle=state.config.heartbeat):
+                if event is IDLE:  # Codex counts events, not SSE comments, against its idle timeout
+                    yield self._event("response.in_progress", response=_response(
+                        state, self.body, job, self.created, "in_progress", output))
+                    continue
                 content = ""
                 for kind, piece in reasoning.pieces(self.split, event.text):
                     if kind == reasoning.REASONING:

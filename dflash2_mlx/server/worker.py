@@ -154,6 +154,9 @@ class Failed:
     kind: str = "invalid_request_error"
 
 
+IDLE = None  # what `Job.events(idle=...)` yields when nothing happened for `idle` seconds
+
+
 @dataclass
 class Job:
     """One request's generation: inputs, a cancel flag and the queue its events arrive on."""
@@ -184,15 +187,29 @@ class Job:
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
 
-    async def events(self):
-        """Yield `GenerationEvent`s until the job ends; raise `JobFailed` if it fails."""
-        while True:
-            item = await self.items.get()
-            if isinstance(item, Finished):
-                return
-            if isinstance(item, Failed):
-                raise JobFailed(item)
-            yield item
+    async def events(self, idle: float | None = None):
+        """Yield `GenerationEvent`s until the job ends; raise `JobFailed` if it fails. With `idle`
+        (seconds), yield `IDLE` each time that long passes without an event, for a stream's keep-alive."""
+        getter = None  # one pending get kept across idle spells: cancelling a finished get loses its item
+        try:
+            while True:
+                if idle is None:
+                    item = await self.items.get()
+                else:
+                    getter = getter or asyncio.ensure_future(self.items.get())
+                    done, _ = await asyncio.wait({getter}, timeout=idle)
+                    if not done:
+                        yield IDLE
+                        continue
+                    item, getter = getter.result(), None
+                if isinstance(item, Finished):
+                    return
+                if isinstance(item, Failed):
+                    raise JobFailed(item)
+                yield item
+        finally:
+            if getter is not None:
+                getter.cancel()
 
 
 class JobFailed(Exception):
