@@ -20,6 +20,7 @@ reports, so context growth and machine load move the choice too.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,7 +34,12 @@ DEFAULT_PRIOR_ACCEPTANCE = 0.6
 DEFAULT_PRIOR_WEIGHT = 2.0  # pseudo-observations behind each position's prior
 DEFAULT_PROBE_EVERY = 32  # plain steps before the first speculative probe while speculation is off
 MAX_PROBE_EVERY = 1024  # failed probes double the gap up to this
+# A failed probe's measured loss (in plain steps) sets the least gap before the next one, so that
+# failed probes cost at most this share of plain decoding time (a width-4 verify at 8k tokens of
+# quantized K/V costs ~3 plain steps on a CPU).
+PROBE_BUDGET = 0.02
 DEFAULT_COST_EMA = 0.1
+FAST_COST_EMA = 0.5  # for a cycle over twice the predicted cost
 # Acceptance belongs to the text: a new reply keeps half the evidence and, when decoding plainly,
 # probes at once, so one reply's poor drafts do not keep speculation off in the next ones.
 REPLY_FADE = 0.5
@@ -100,15 +106,23 @@ def expected_rates(costs: Costs, acceptance: Sequence[float], max_width: int,
     """Predicted tokens/s for widths 1..max_width (index = width - 1).
 
     The overheads are per-cycle seconds the engine spends beyond the calibrated forward
-    passes (host work, syncs), learned online; a cycle never costs less than half its
-    calibrated time.
+    passes (host work, syncs, attention over a longer context), learned online; a cycle never
+    costs less than half its calibrated time.
     """
     rates = []
     for w in range(1, min(max_width, costs.max_width) + 1):
         base = costs.cycle_s(w)
-        seconds = max(base + (plain_overhead_s if w == 1 else spec_overhead_s), base / 2)
+        extra = plain_overhead_s if w == 1 else spec_overhead(costs, w, plain_overhead_s, spec_overhead_s)
+        seconds = max(base + extra, base / 2)
         rates.append(expected_tokens(acceptance, w) / seconds)
     return rates
+
+
+def spec_overhead(costs: Costs, width: int, plain_overhead_s: float, spec_overhead_s: float) -> float:
+    """A speculative cycle's overhead: the learned one, but at least the plain step's scaled by
+    the calibrated forward-cost ratio. Plain steps measure the cost of a grown context on every
+    step, speculative cycles only while speculating; a wider forward over it costs no less."""
+    return max(spec_overhead_s, plain_overhead_s * costs.target_s[width - 1] / costs.target_s[0])
 
 
 def break_even_acceptance(costs: Costs, width: int) -> float | None:
@@ -232,7 +246,8 @@ class AdaptiveBlockPolicy:
         probe_every: while decoding plainly, try one speculative cycle after this many steps
             so a rising acceptance is noticed: a probe that beats plain decoding restarts the
             acceptance estimate from it; one that does not bring speculation back doubles the
-            gap (up to MAX_PROBE_EVERY). Never probes when even perfect drafts would lose.
+            gap (up to MAX_PROBE_EVERY), and the gap is at least its measured loss over
+            PROBE_BUDGET. Never probes when even perfect drafts would lose.
         cost_ema: weight of each observed cycle time in the online overhead estimates.
     """
 
@@ -248,20 +263,24 @@ class AdaptiveBlockPolicy:
         self.current: int | None = None
         self.plain_run = 0
         self.probe_gap = probe_every
+        self.probe_min_gap = probe_every  # from the last failed probe's measured loss
         self.probing = False
         self.probe_next = False  # a new reply starting while decoding plainly: probe at once
+        self.after_plain = True  # the last cycle was plain (or none yet): the drafter has rows to catch up on
         self.trace = PolicyTrace()
 
     def begin(self) -> None:
         """A new reply starts: its text is new, so the acceptance evidence counts half and, if
         decoding plainly, the first step probes (`restart_probes`)."""
         self.acceptance.fade(REPLY_FADE)
+        self.after_plain = True
         self.restart_probes()
 
     def restart_probes(self) -> None:
-        """The probe gap back at its start, and a probe at the next plain choice (if probing is on)."""
-        self.probe_gap = self.probe_every
-        self.probe_next = bool(self.probe_every)
+        """The probe gap back at its start, and a probe at the next plain choice (if probing is on
+        and the last failed probe's cost allows one this soon)."""
+        self.probe_gap = max(self.probe_every, self.probe_min_gap) if self.probe_every else 0
+        self.probe_next = bool(self.probe_every) and self.plain_run + 1 >= self.probe_min_gap
 
     def rates(self, max_width: int) -> list[float]:
         return expected_rates(self.costs, self.acceptance.rates(), max_width, self.plain_overhead_s,
@@ -288,6 +307,9 @@ class AdaptiveBlockPolicy:
         else:
             if self.current is not None and picked.width != self.current:
                 self.trace.n_switches += 1
+            # Leaving plain decoding rests on costs predicted, not measured, at this context: learn
+            # from its first cycle as from a probe.
+            self.probing = self.current == 1 and picked.speculate
             self.current = picked.width
         self.trace.widths.append(width)
         return width
@@ -301,30 +323,50 @@ class AdaptiveBlockPolicy:
                 self.acceptance.reset()  # the text changed since the evidence was gathered
             for drafted, accepted in rows or [(cycle.n_drafted, cycle.n_accepted)]:
                 self.acceptance.observe(drafted, accepted)
-            self.spec_overhead_s = self._update_overhead(self.spec_overhead_s, cycle)
+            # A probe is the only fresh evidence of a speculative cycle's cost at this context.
+            weight = 1.0 if self.probing else self.cost_ema
+            self.spec_overhead_s = self._update_overhead(self.spec_overhead_s, cycle, weight)
             self.spec_seen = True
             if self.probing:
-                won = self.choice(cycle.width).speculate
-                self.probe_gap = self.probe_every if won else min(2 * self.probe_gap, MAX_PROBE_EVERY)
+                self._after_probe(cycle)
         else:
             self.plain_run += 1
             self.plain_overhead_s = self._update_overhead(self.plain_overhead_s, cycle)
+        self.after_plain = cycle.n_drafted == 0
 
     def _beat_plain(self, cycle) -> bool:
         """Whether this cycle's tokens came faster than plain decoding's predicted rate."""
         if cycle.width > self.costs.max_width:
             return False
-        spec_s = max(self.costs.cycle_s(cycle.width) + self.spec_overhead_s, self.costs.cycle_s(cycle.width) / 2)
+        extra = spec_overhead(self.costs, cycle.width, self.plain_overhead_s, self.spec_overhead_s)
+        spec_s = max(self.costs.cycle_s(cycle.width) + extra, self.costs.cycle_s(cycle.width) / 2)
         plain_s = max(self.costs.cycle_s(1) + self.plain_overhead_s, self.costs.cycle_s(1) / 2)
         return (cycle.n_accepted + 1) / spec_s > 1 / plain_s
 
-    def _update_overhead(self, overhead: float, cycle) -> float:
+    def _after_probe(self, cycle) -> None:
+        """The next probe's gap: back to the start if speculation resumes, else doubled and at
+        least the probe's measured loss (plain steps it cost beyond its tokens) over PROBE_BUDGET."""
+        if self.choice(cycle.width).speculate:
+            self.probe_gap = self.probe_min_gap = self.probe_every
+            return
+        plain_s = max(self.costs.cycle_s(1) + self.plain_overhead_s, self.costs.cycle_s(1) / 2)
+        lost_steps = (cycle.draft_s + cycle.verify_s) / plain_s - (cycle.n_accepted + 1)
+        self.probe_min_gap = min(max(self.probe_every, math.ceil(lost_steps / PROBE_BUDGET)), MAX_PROBE_EVERY)
+        self.probe_gap = min(max(2 * self.probe_gap, self.probe_min_gap), MAX_PROBE_EVERY)
+
+    def _update_overhead(self, overhead: float, cycle, weight: float | None = None) -> float:
         if not 1 <= cycle.width <= self.costs.max_width:
             return overhead
         base = self.costs.cycle_s(cycle.width)
-        # Clip single observations: the first cycle also pays the drafter's prompt context.
-        delta = min(max(cycle.draft_s + cycle.verify_s - base, -base / 2), overhead + base)
-        return (1 - self.cost_ema) * overhead + self.cost_ema * delta
+        if cycle.width > 1:
+            overhead = spec_overhead(self.costs, cycle.width, self.plain_overhead_s, overhead)
+        delta = max(cycle.draft_s + cycle.verify_s - base, -base / 2)
+        if self.after_plain:  # this cycle also paid the drafter's catch-up on the prompt or plain rows
+            delta = min(delta, overhead + base)
+        weight = self.cost_ema if weight is None else weight
+        if delta > 2 * overhead + base:  # a jump (a much longer prompt), not noise: follow it fast
+            weight = max(weight, FAST_COST_EMA)
+        return (1 - weight) * overhead + weight * delta
 
 
 def batch_costs(costs: Costs, batch: int) -> Costs:
@@ -379,6 +421,7 @@ class BatchWidthPolicy:
         """A new reply joins the batch: see `AdaptiveBlockPolicy.begin` (the shared acceptance
         evidence fades once)."""
         for p in self.by_batch.values():
+            p.after_plain = True
             p.restart_probes()
         if self.acceptance is not None:
             self.acceptance.fade(REPLY_FADE)
