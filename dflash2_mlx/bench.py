@@ -212,21 +212,25 @@ def default_encoder(target) -> Callable[[Prompt], list[int]]:
 
 def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams, kv: dict) -> RunRecord:
     """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes;
-    with `kv` (kv_bits, kv_group_size) its K/V is quantized from the first token, as ours is."""
+    with `kv` (kv_bits, kv_group_size) it gets a cache of mlx-lm's `QuantizedKVCache`, quantized
+    from the first token as ours is (its own `kv_bits` keeps the first prefill chunk, 2,048 tokens,
+    at full precision, which prefills faster and rounds differently)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as mlx_stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     sampler = None if sampling.greedy else make_sampler(sampling.temperature, sampling.top_p,
                                                         min_p=sampling.min_p, top_k=sampling.top_k)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
+    cache = make_prompt_cache(target.model)
+    if kv.get("kv_bits"):
+        cache = [c.to_quantized(kv["kv_group_size"], kv["kv_bits"]) if type(c) is KVCache else c for c in cache]
     tokens, text, last, t_first = [], [], None, None
     t0 = time.perf_counter()
     for r in mlx_stream_generate(target.model, target.tokenizer, mx.array(ids), max_tokens=max_tokens,
-                                 sampler=sampler, prompt_cache=make_prompt_cache(target.model),
-                                 **({**kv, "quantized_kv_start": 0} if kv.get("kv_bits") else {})):
+                                 sampler=sampler, prompt_cache=cache):
         t_first = t_first or time.perf_counter()
         if r.finish_reason != "stop" or r.token not in target.tokenizer.eos_token_ids:
             tokens.append(r.token)  # its last response repeats no token but may carry the EOS

@@ -116,7 +116,8 @@ def test_bench_context_suites_with_quantized_kv(runner, tmp_path):
     assert abs(lengths["context-300"] - 300) <= 4 and abs(lengths["context-600"] - 600) <= 4, lengths
     texts = {r["prompt_id"]: r["n_prompt_tokens"] for r in data["runs"] if r["suite"] == "context-600"}
     assert len(texts) == 2
-    assert all(r["matches_ar"] for r in data["runs"] if r["mode"] == "dflash2@4")  # exact under the same quantization
+    # exact under the same quantization; mlx_lm's reference gets the same quantized cache from the first token
+    assert all(r["matches_ar"] for r in data["runs"] if r["mode"] in ("dflash2@4", "mlx_lm"))
     full, quantized = (reports[k]["settings"]["kv_cache_bytes_per_token"] for k in (0, 2))
     assert quantized < 0.6 * full, (quantized, full)
     res = runner.invoke(app, ["bench", str(target), "--context", "100"])
