@@ -36,9 +36,11 @@ from pathlib import Path
 
 SECRET = "violet-harbor-42"
 NOTES = f"Project notes\nThe deploy codename is {SECRET}.\nOwner: platform team.\n"
-# Codex drops a stream after 5 idle minutes; its first prompt can prefill longer than that on a
-# 2-core CPU, and SSE comments do not reset its timer.
-STREAM_IDLE_MS = 1_800_000
+# Codex's own instructions (~3.5k tokens) replaced, with --codex-instructions short, by these: a 0.5B
+# model under the full prompt answers from it instead of reading the file.
+SHORT_INSTRUCTIONS = ("You are Codex, a coding agent working in the user's current directory. You cannot "
+                      "see any file until you read it: run a shell command (for example `cat FILE`) with "
+                      "your tool first, then answer from its output.")
 ASK = "What is the deploy codename written in notes.txt? Read the file, then answer with the codename only."
 FOLLOW = "Which team owns the project, according to the same file? Answer in one short sentence."
 
@@ -107,14 +109,21 @@ def claude_code(server: Server, model: str, bin_dir: Path, work: Path, timeout: 
     return turns
 
 
-def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float) -> list[dict]:
+def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float,
+          instructions: str = "default") -> list[dict]:
+    """`codex exec` with the README's provider config: Codex's default 5-minute stream idle timeout
+    (the server's heartbeat keeps a long prefill's stream alive) and no retries, so a drop shows."""
     home = work / "codex-home"
     home.mkdir(exist_ok=True)
+    short = ""
+    if instructions == "short":
+        (home / "instructions.md").write_text(SHORT_INSTRUCTIONS + "\n")
+        short = f'model_instructions_file = "{home / "instructions.md"}"\n'
     (home / "config.toml").write_text(
         f'model = "{model}"\nmodel_provider = "dflash2"\nweb_search = "disabled"\napproval_policy = "never"\n'
-        f'sandbox_mode = "workspace-write"\n\n[model_providers.dflash2]\nname = "dflash2"\n'
+        f'sandbox_mode = "workspace-write"\n{short}\n[model_providers.dflash2]\nname = "dflash2"\n'
         f'base_url = "{server.url}/v1"\nwire_api = "responses"\nrequest_max_retries = 0\n'
-        f'stream_max_retries = 0\nstream_idle_timeout_ms = {STREAM_IDLE_MS}\n\n[analytics]\nenabled = false\n')
+        f'stream_max_retries = 0\n\n[analytics]\nenabled = false\n')
     env = os.environ | {"CODEX_HOME": str(home)}
     before = len(server.lines())
     code, out, wall = run([str(bin_dir / "codex"), "exec", "--skip-git-repo-check", ASK], work, env, timeout)
@@ -187,6 +196,8 @@ def main() -> None:
     ap.add_argument("--bin", default=str(Path(__file__).resolve().parents[3] / ".agents" / "node_modules" / ".bin"),
                     help="where `claude` and `codex` are (default: where `make test-real` installs them)")
     ap.add_argument("--timeout", type=float, default=1800)
+    ap.add_argument("--codex-instructions", choices=("default", "short"), default="default",
+                    help="Codex's own instructions, or a 3-line replacement (`model_instructions_file`)")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `dflash2 serve` argument")
     ap.add_argument("--block-size", default=None, help="`--block-size` for the servers that have a drafter")
     ap.add_argument("--json", default=None)
@@ -204,7 +215,7 @@ def main() -> None:
             if "claude-code" in args.clients:
                 turns += claude_code(server, args.model, bin_dir, work, args.timeout)
             if "codex" in args.clients:
-                turns += codex(server, args.model, bin_dir, work, args.timeout)
+                turns += codex(server, args.model, bin_dir, work, args.timeout, args.codex_instructions)
             if "agents-sdk" in args.clients:
                 turns += agents_sdk(server, args.model, work)
         finally:
