@@ -38,10 +38,15 @@ SECRET = "violet-harbor-42"
 NOTES = f"Project notes\nThe deploy codename is {SECRET}.\nOwner: platform team.\n"
 # Codex's own instructions (~3.5k tokens) replaced, with --codex-instructions short, by these: a 0.5B
 # model under the full prompt answers from it instead of reading the file.
+# Codex 0.171's shell tool is `exec_command` (a `cmd` string).
 SHORT_INSTRUCTIONS = ("You are Codex, a coding agent working in the user's current directory. You cannot "
-                      "see any file until you read it: run a shell command (for example `cat FILE`) with "
-                      "your tool first, then answer from its output.")
+                      "see any file until you read it: call your `exec_command` tool with a shell command "
+                      "in `cmd` (for example `cat FILE`) first, then answer from its output.")
 ASK = "What is the deploy codename written in notes.txt? Read the file, then answer with the codename only."
+# With the short instructions the task names the command too: asked only to "read the file", the 1.5B
+# model called `view_image` or an invented `read_file` on it.
+ASK_COMMAND = ("What is the deploy codename written in notes.txt? Run `cat notes.txt` with exec_command, then "
+               "answer with the codename only.")
 FOLLOW = "Which team owns the project, according to the same file? Answer in one short sentence."
 
 
@@ -126,7 +131,8 @@ def codex(server: Server, model: str, bin_dir: Path, work: Path, timeout: float,
         f'stream_max_retries = 0\n\n[analytics]\nenabled = false\n')
     env = os.environ | {"CODEX_HOME": str(home)}
     before = len(server.lines())
-    code, out, wall = run([str(bin_dir / "codex"), "exec", "--skip-git-repo-check", ASK], work, env, timeout)
+    ask = ASK_COMMAND if instructions == "short" else ASK
+    code, out, wall = run([str(bin_dir / "codex"), "exec", "--skip-git-repo-check", ask], work, env, timeout)
     return [{"client": "codex", "turn": 1, "exit": code, "wall_s": round(wall, 1), "answer": out.strip()[-300:],
              "requests": server.lines()[before:], "raw_tail": out[-1500:] if code else None}]
 
