@@ -44,7 +44,7 @@ SHORT_INSTRUCTIONS = ("You are Codex, a coding agent working in the user's curre
                       "in `cmd` (for example `cat FILE`) first, then answer from its output.")
 ASK = "What is the deploy codename written in notes.txt? Read the file, then answer with the codename only."
 # With the short instructions the task names the command too: asked only to "read the file", the 1.5B
-# model called `view_image` or an invented `read_file` on it.
+# model wrote a call to an invented `read_file` tool, or called `view_image` on the file.
 ASK_COMMAND = ("What is the deploy codename written in notes.txt? Run `cat notes.txt` with exec_command, then "
                "answer with the codename only.")
 FOLLOW = "Which team owns the project, according to the same file? Answer in one short sentence."
