@@ -38,10 +38,14 @@ def wheel_target_dir(wheel: dict) -> Path:
 
 
 def converted_from(out: Path, sha256: str) -> bool:
+    """Whether `out` holds this checksum's conversion, made by the current converter."""
+    from .convert import CONVERTER_VERSION
+
     marker = out / "dflash2-source.json"
     if not (_complete(out) and marker.is_file()):
         return False
-    return json.loads(marker.read_text()).get("sha256") == sha256
+    info = json.loads(marker.read_text())
+    return info.get("sha256") == sha256 and info.get("converter") == CONVERTER_VERSION
 
 
 def _sha256(path: Path) -> str:

@@ -196,8 +196,21 @@ def gguf_config(reader, arch: str) -> dict:
     return cfg
 
 
+# Bumped when a conversion's output changes, so cached conversions are redone (2: stop ids).
+CONVERTER_VERSION = 2
+
+# Token texts llama.cpp ends generation on whatever the metadata says: Qwen2.5's GGUFs name only
+# <|im_end|> as EOS, while its upstream generation_config also stops on <|endoftext|>.
+_END_OF_GENERATION_TEXTS = frozenset((
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"))
+
+
 def _eos_ids(reader) -> int | list[int] | None:
+    """The ids generation stops on: the metadata's EOS/EOT/EOM, then the end-of-generation texts."""
     ids = [_field(reader, f"tokenizer.ggml.{k}") for k in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    ids += [i for i, text in enumerate(tokens) if text in _END_OF_GENERATION_TEXTS]
     ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
     return None if not ids else ids[0] if len(ids) == 1 else ids
 
@@ -414,8 +427,8 @@ def convert_gguf(src, out, dtype: str = "bfloat16", q_bits: int | None = None, g
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         _save_tokenizer(tokenizer, reader, tmp)
         (tmp / "dflash2-source.json").write_text(json.dumps(
-            {"source": str(Path(src).resolve()), "format": "gguf", "arch": arch, "dtype": dtype,
-             "q_bits": q_bits, "group_size": group_size if q_bits else None}, indent=2))
+            {"source": str(Path(src).resolve()), "format": "gguf", "converter": CONVERTER_VERSION, "arch": arch,
+             "dtype": dtype, "q_bits": q_bits, "group_size": group_size if q_bits else None}, indent=2))
     log.info("converted %s (%s) -> %s", src, arch, out)
     return out
 

@@ -218,10 +218,13 @@ def resolve_target(ref: str, registry: Registry, progress: bool = True) -> tuple
 
 
 def gguf_cache_dir(path: Path, dtype: str = "bfloat16") -> Path:
-    """Where a GGUF's conversion is cached: keyed by its path, size, mtime and the dtype."""
+    """Where a GGUF's conversion is cached: keyed by its path, size, mtime, the dtype and the converter."""
+    from .convert import CONVERTER_VERSION
+
     path = Path(path).resolve()
     stat = path.stat()
-    key = hashlib.sha1(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:10]
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}|converter {CONVERTER_VERSION}"
+    key = hashlib.sha1(key.encode()).hexdigest()[:10]
     slug = re.sub(r"[^\w.-]+", "-", path.stem).strip("-").lower()
     return paths.models_cache() / f"gguf-{slug}-{key}"
 

@@ -103,8 +103,10 @@ def gguf_tensors(arch: str, model, config: dict) -> dict[str, np.ndarray]:
 
 
 def write_gguf(path, arch: str, model, config: dict, qtype=None, extra_tensors: dict | None = None,
-               metadata=None) -> dict[str, np.ndarray]:
+               metadata=None, specials=("<s>", "</s>")) -> dict[str, np.ndarray]:
     """Write `model` as a GGUF; 2-D weights quantized to `qtype` (e.g. Q8_0) when given.
+
+    `specials` are the texts of the last two tokens: BOS and EOS.
 
     Returns the float tensors as stored (before quantization), by GGUF name.
     """
@@ -125,7 +127,7 @@ def write_gguf(path, arch: str, model, config: dict, qtype=None, extra_tensors: 
         w.add_sliding_window(config["sliding_window"])
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-    tokens = [bytes_to_unicode()[b] for b in range(256)] + _EXTRA
+    tokens = [bytes_to_unicode()[b] for b in range(256)] + _EXTRA[:-2] + list(specials)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from mlx_lm import load
 from mlx_lm.models import llama
 
-from dflash2_mlx.convert import convert_gguf, convert_hf, inspect_gguf, unpermute_qk
+from dflash2_mlx.convert import CONVERTER_VERSION, convert_gguf, convert_hf, inspect_gguf, unpermute_qk
 from dflash2_mlx.errors import ConfigError
 
 from gguf_fixtures import MODULES, VOCAB, llama_cpp_permute, tiny_hf_model, write_gguf
@@ -27,7 +27,8 @@ def _convert(tmp_path, arch, **kwargs):
     model, config = tiny_hf_model(arch)
     src = tmp_path / f"{arch}.gguf"
     stored = write_gguf(src, arch, model, config, **{k: kwargs.pop(k) for k in ("qtype", "extra_tensors",
-                                                                               "metadata") if k in kwargs})
+                                                                               "metadata", "specials")
+                                                     if k in kwargs})
     out = convert_gguf(src, tmp_path / arch, progress=False, **kwargs)
     return model, config, stored, out
 
@@ -46,6 +47,15 @@ def test_gguf_round_trip_gives_the_original_logits(tmp_path, arch):
     assert tokenizer.encode(" the", add_special_tokens=False) == [258]
     assert tokenizer.encode("</s>", add_special_tokens=False) == [VOCAB - 1]
     assert tokenizer.eos_token_ids == {VOCAB - 1}
+
+
+def test_end_of_generation_tokens_stop_generation_as_in_llama_cpp(tmp_path):
+    """Qwen2.5's GGUFs name <|im_end|> as EOS only; <|endoftext|> (its BOS) must stop generation too."""
+    _, _, _, out = _convert(tmp_path, "qwen2", dtype="float32", specials=("<|endoftext|>", "<|im_end|>"))
+    _, tokenizer = load(str(out))
+    assert tokenizer.eos_token_ids == {VOCAB - 2, VOCAB - 1}
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == [VOCAB - 1, VOCAB - 2]
+    assert json.loads((out / "dflash2-source.json").read_text())["converter"] == CONVERTER_VERSION
 
 
 def test_llama_cpp_permutation_is_the_interleaved_rope_layout():
@@ -230,7 +240,7 @@ def test_smollm2_conversion_matches_the_gguf_in_float64(smollm2):
     # ids of the original SmolLM2 tokenizer (digits split one by one; <|im_end|> is EOS)
     assert tokenizer.encode("Hello", add_special_tokens=False) == [19556]
     assert tokenizer.encode("12345", add_special_tokens=False) == [33, 34, 35, 36, 37]
-    assert tokenizer.eos_token_ids == {2}
+    assert tokenizer.eos_token_ids == {0, 2}  # <|endoftext|> stops too, as in llama.cpp
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                            tokenize=False)
     assert prompt.endswith("<|im_start|>assistant\n")

@@ -128,6 +128,18 @@ def test_gguf_file_is_converted_once(isolated):
     assert (again.target / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_conversion_by_an_older_converter_is_redone(tmp_path):
+    from dflash2_mlx.convert import CONVERTER_VERSION
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    marker = tmp_path / "dflash2-source.json"
+    marker.write_text(json.dumps({"sha256": "abc"}))  # converter 1 wrote no version
+    assert not assets.converted_from(tmp_path, "abc")
+    marker.write_text(json.dumps({"sha256": "abc", "converter": CONVERTER_VERSION}))
+    assert assets.converted_from(tmp_path, "abc") and not assets.converted_from(tmp_path, "abd")
+
+
 def test_hub_reachability_is_offline_safe(isolated, monkeypatch):
     assert hub.offline() and not hub.hub_reachable()
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
