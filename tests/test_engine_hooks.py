@@ -55,6 +55,34 @@ def test_a_cut_mid_character_emits_no_replacement_character():
     assert cut.new_text(final=True) == "a"
 
 
+def test_control_tokens_stay_out_of_the_text_and_tool_markers_stay_in():
+    """<|im_start|> leaked into a Codex answer; vLLM and llama.cpp leave control tokens out."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tokenizers import AddedToken
+
+    from dflash2_mlx.core.stopper import Stopper, unrendered_tokens
+
+    from tiny import TinyTokenizer
+
+    names = ["<|im_start|>", "<tool_call>", "</tool_call>", "<x>"]
+    hf = TinyTokenizer.make(wrap=False)
+    hf.add_tokens([AddedToken(t, special=True, normalized=False) for t in names[:3]], special_tokens=True)
+    hf.add_tokens([AddedToken(names[3], special=False, normalized=False)])
+    start, call, end, x = hf.convert_tokens_to_ids(names)
+    tok = TokenizerWrapper(hf, tool_call_start="<tool_call>", tool_call_end="</tool_call>")
+    hidden = unrendered_tokens(tok)  # <x> is not special; the tool markers are parsed from the text
+    assert hidden[start] == "<|im_start|>" and not {call, end, x} & set(hidden)
+    ids = tok.encode("Hi", add_special_tokens=False)
+    stopper = Stopper(tok, set(), [], max_tokens=20)
+    kept, finish = stopper.feed(ids + [start, call] + ids + [end, x])
+    assert finish is None and len(kept) == 2 * len(ids) + 4  # hidden tokens still count
+    assert stopper.new_text(final=True) == "Hi<tool_call>Hi</tool_call><x>"
+    # a stop string spelled as the control token still stops the reply there
+    stopper = Stopper(tok, set(), ["<|im_start|>"], max_tokens=20)
+    assert stopper.feed(ids + [start] + ids) == (ids + [start], "stop")
+    assert stopper.matched == "<|im_start|>" and stopper.new_text(final=True) == "Hi"
+
+
 def test_pipelined_plain_decoding_equals_the_step_by_step_twin():
     from dflash2_mlx import SamplingParams
 

@@ -1,10 +1,22 @@
 """Where a reply ends: EOS, stop strings and max_tokens, and the text handed out so far.
 
 One `Stopper` per reply, fed the emitted tokens of each cycle (the single-stream engine and
-the batch alike); a tail that could still become a stop string is held back.
+the batch alike); a tail that could still become a stop string is held back. Control tokens
+(`<|im_start|>`, `<|fim_pad|>`, …) stay out of the text, as in vLLM and llama.cpp.
 """
 
 from __future__ import annotations
+
+_MARKERS = ("tool_call_start", "tool_call_end", "think_start", "think_end")
+
+
+def unrendered_tokens(tokenizer) -> dict[int, str]:
+    """{id: text} of the special added tokens a reply's text leaves out; the tool-call and
+    thinking markers stay, since the server parses them from that text."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    added = getattr(hf, "added_tokens_decoder", None) or {}
+    markers = {getattr(tokenizer, name, None) for name in _MARKERS}
+    return {i: t.content for i, t in added.items() if getattr(t, "special", False) and t.content not in markers}
 
 
 def find_stop(text: str, stop: list[str], start: int) -> tuple[int, str | None]:
@@ -20,6 +32,7 @@ class Stopper:
         self.detok = tokenizer.detokenizer
         self.detok.reset()
         self.eos, self.stop, self.max_tokens = eos, [s for s in stop if s], max_tokens
+        self.unrendered = unrendered_tokens(tokenizer)
         self.text, self.tokens, self.sent, self.searched = "", [], 0, 0
         self.matched: str | None = None
 
@@ -29,12 +42,18 @@ class Stopper:
         for t in tokens:
             if t in self.eos:
                 return kept, "stop"
-            self.detok.add_token(t)
             self.tokens.append(t)
             kept.append(t)
-            self.text += self.detok.last_segment
-            if self.stop and self._hit_stop():
-                return kept, "stop"
+            hidden = self.unrendered.get(t)
+            if hidden is not None:
+                if hidden in self.stop:  # a stop string spelled as the control token itself
+                    self.matched = hidden
+                    return kept, "stop"
+            else:
+                self.detok.add_token(t)
+                self.text += self.detok.last_segment
+                if self.stop and self._hit_stop():
+                    return kept, "stop"
             if len(self.tokens) >= self.max_tokens:
                 return kept, "length"
         return kept, None
