@@ -5,11 +5,15 @@ Rules that keep the numbers honest:
   prompt at T > 0), in one process, interleaved prompt by prompt, with the mode order rotated
   from one prompt to the next so no mode always runs first (warm caches, thermal state);
 * one untimed warm-up generation per mode first (shape compilation, calibration for `auto`);
+  past 2,048 prompt tokens only the first mode's sees the whole prompt (the allocator is shared);
+* with `repeats`, each mode prefills a prompt once and decodes it again from its own prompt
+  cache, repeats interleaved in rotating order: at long context, where one prefill takes many
+  minutes, decode speed then rests on several runs taken side by side, not one per mode;
 * rates are pooled (total tokens / total seconds), not averages of per-prompt rates;
 * outputs whose last 64 tokens are a short repeated loop are flagged, and every speedup is
   reported with and without the prompts that looped in any mode (greedy loops accept
   everything and inflate speculative speed);
-* at T = 0 every speculative output is compared with the AR output, token for token.
+* at T = 0 every output is compared with the AR output (its first run), token for token.
 
 Per run: prompt tok/s (prefill), time to first token, decode tok/s (tokens after the first,
 over the time after the first), τ, the cycle log, peak memory. The arithmetic over cycle logs
@@ -35,12 +39,12 @@ from .prompts import Prompt, SuitePrompts
 DEFAULT_N = 8
 DEFAULT_MAX_TOKENS = 256
 WARMUP_TOKENS = 16
+WARMUP_PROMPT_TOKENS = 2048  # the warm-up of every mode but the first sees at most this much prompt
 LOOP_WINDOW = 64
 LOOP_MAX_PERIOD = 32  # at least two exact copies in the window
 MODE_KINDS = ("ar", "dflash", "dflash2", "mlx_lm")
 KV_PROBE_TOKENS = 1024
 SCHEMA = "dflash2.bench/1"
-MIN_CYCLES = 10  # plotted acceptance from fewer cycles is drawn faded
 
 
 # -- loops ------------------------------------------------------------------------------
@@ -184,6 +188,9 @@ class RunRecord:
     seed: int | None = None
     loop_period: int | None = None
     matches_ar: bool | None = None
+    n_cached: int = 0  # prompt tokens its prompt cache held (a repeat): its prompt figures are not a prefill's
+    repeat: int = 0  # which decode of this prompt in this mode (0: the one that prefilled)
+    other_caches_gb: float = 0.0  # other modes' prompt caches held during it (repeats), out of its peak
 
     @property
     def decode_tps(self) -> float:
@@ -210,26 +217,47 @@ def default_encoder(target) -> Callable[[Prompt], list[int]]:
     return lambda prompt: session.encode(prompt.text)
 
 
-def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams, kv: dict) -> RunRecord:
-    """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes;
-    with `kv` (kv_bits, kv_group_size) it gets a cache of mlx-lm's `QuantizedKVCache`, quantized
-    from the first token as ours is (its own `kv_bits` keeps the first prefill chunk, 2,048 tokens,
-    at full precision, which prefills faster and rounds differently)."""
+def mlx_lm_cache(target, kv: dict) -> list:
+    """A fresh mlx-lm prompt cache for the reference mode; with `kv` (kv_bits, kv_group_size),
+    mlx-lm's `QuantizedKVCache`, quantized from the first token as ours is (its own `kv_bits`
+    keeps the first prefill chunk, 2,048 tokens, at full precision, which prefills faster and
+    rounds differently)."""
+    from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+    cache = make_prompt_cache(target.model)
+    if kv.get("kv_bits"):
+        cache = [c.to_quantized(kv["kv_group_size"], kv["kv_bits"]) if type(c) is KVCache else c for c in cache]
+    return cache
+
+
+def _mlx_lm_tokens(cache: list) -> int:
+    """Tokens an mlx-lm prompt cache holds (its attention layers' offset)."""
+    return next((c.offset for c in cache if hasattr(c, "offset")), 0)
+
+
+def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams, kv: dict,
+                cache: list | None = None) -> RunRecord:
+    """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes.
+    `cache` (from `mlx_lm_cache`) may already hold all but the prompt's last token, as
+    mlx-lm's server reuses one: then only that token is fed, and the cache is trimmed back
+    there afterwards."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as mlx_stream_generate
-    from mlx_lm.models.cache import KVCache, make_prompt_cache
+    from mlx_lm.models.cache import trim_prompt_cache
     from mlx_lm.sample_utils import make_sampler
 
     sampler = None if sampling.greedy else make_sampler(sampling.temperature, sampling.top_p,
                                                         min_p=sampling.min_p, top_k=sampling.top_k)
     if sampling.seed is not None:
         mx.random.seed(sampling.seed)
-    cache = make_prompt_cache(target.model)
-    if kv.get("kv_bits"):
-        cache = [c.to_quantized(kv["kv_group_size"], kv["kv_bits"]) if type(c) is KVCache else c for c in cache]
+    kept, cache = cache is not None, cache if cache is not None else mlx_lm_cache(target, kv)
+    n_cached = _mlx_lm_tokens(cache)
+    if n_cached and n_cached != len(ids) - 1:
+        raise ValueError(f"an mlx-lm cache must be empty or hold {len(ids) - 1} tokens, holds {n_cached}")
     tokens, text, last, t_first = [], [], None, None
+    mx.reset_peak_memory()
     t0 = time.perf_counter()
-    for r in mlx_stream_generate(target.model, target.tokenizer, mx.array(ids), max_tokens=max_tokens,
+    for r in mlx_stream_generate(target.model, target.tokenizer, mx.array(ids[n_cached:]), max_tokens=max_tokens,
                                  sampler=sampler, prompt_cache=cache):
         t_first = t_first or time.perf_counter()
         if r.finish_reason != "stop" or r.token not in target.tokenizer.eos_token_ids:
@@ -237,8 +265,10 @@ def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParam
         text.append(r.text)
         last = r
     t_end = time.perf_counter()
+    if kept:
+        trim_prompt_cache(cache, _mlx_lm_tokens(cache) - (len(ids) - 1))  # what a repeat reuses
     return RunRecord(
-        suite="", prompt_id="", mode="mlx_lm", n_prompt_tokens=len(ids), n_tokens=len(tokens),
+        suite="", prompt_id="", mode="mlx_lm", n_prompt_tokens=len(ids), n_tokens=len(tokens), n_cached=n_cached,
         finish_reason=last.finish_reason, prompt_tps=last.prompt_tps, ttft_s=t_first - t0,
         decode_s=t_end - t_first, total_s=t_end - t0, peak_memory_gb=last.peak_memory, tokens=tokens,
         text="".join(text), seed=sampling.seed, loop_period=loop_period(tokens),
@@ -246,12 +276,14 @@ def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParam
 
 
 def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: SamplingParams,
-             cache_dir=None, kv: dict | None = None) -> RunRecord:
+             cache_dir=None, kv: dict | None = None, cache=None) -> RunRecord:
     """Decode `ids` with `mode`, timing from the call to the last token; `kv` holds `kv_bits`
-    and `kv_group_size` (quantized K/V) or is empty."""
+    and `kv_group_size` (quantized K/V) or is empty. `cache` (from `mode_cache`) is the mode's
+    prompt cache: empty, the prompt is prefilled into it; holding the prompt, only its last
+    token is fed (a repeat)."""
     kv = kv or {}
     if mode.kind == "mlx_lm":
-        record = _run_mlx_lm(target, ids, max_tokens, sampling, kv)
+        record = _run_mlx_lm(target, ids, max_tokens, sampling, kv, cache)
         record.mode = mode.name
         return record
     policy = mode.policy(target, cache_dir)  # before the clock: may load or measure a calibration
@@ -259,7 +291,7 @@ def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: Samp
     t0 = time.perf_counter()
     t_first = None
     for ev in stream_generate(target, ids, drafter=mode.drafter, max_tokens=max_tokens, sampling=sampling,
-                              block_size=mode.width(), block_policy=policy, **kv):
+                              block_size=mode.width(), block_policy=policy, prompt_cache=cache, **kv):
         if t_first is None:
             t_first = time.perf_counter()
         tokens.extend(ev.tokens)
@@ -271,7 +303,8 @@ def run_once(target, mode: Mode, ids: list[int], max_tokens: int, sampling: Samp
     t_end = time.perf_counter()
     return RunRecord(
         suite="", prompt_id="", mode=mode.name, n_prompt_tokens=len(ids), n_tokens=len(tokens),
-        finish_reason=last.finish_reason, prompt_tps=last.prompt_tps, ttft_s=t_first - t0,
+        n_cached=cache.last_reuse.n_cached if cache is not None else 0, finish_reason=last.finish_reason,
+        prompt_tps=last.prompt_tps, ttft_s=t_first - t0,
         decode_s=t_end - t_first, total_s=t_end - t0, peak_memory_gb=last.peak_memory_gb,
         cycles=cycles, tokens=tokens, text="".join(text), seed=sampling.seed,
         loop_period=loop_period(tokens),
@@ -336,14 +369,15 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
         cycles = [c for r in runs for c in r.cycle_stats()]
         decode_tokens = sum(r.n_tokens - 1 for r in runs)
         decode_s = sum(r.decode_s for r in runs)
-        prefill_s = sum(r.n_prompt_tokens / r.prompt_tps for r in runs if r.prompt_tps > 0)
+        prefills = [r for r in runs if r.n_cached == 0]  # a repeat's prompt figures are one token's
+        prefill_s = sum(r.n_prompt_tokens / r.prompt_tps for r in prefills if r.prompt_tps > 0)
         spec = stats.speculative(cycles)
         out[mode] = {
             "n_runs": len(runs),
-            "n_prompt_tokens": sum(r.n_prompt_tokens for r in runs),
+            "n_prompt_tokens": sum(r.n_prompt_tokens for r in prefills),
             "n_tokens": sum(r.n_tokens for r in runs),
-            "prompt_tps": sum(r.n_prompt_tokens for r in runs) / prefill_s if prefill_s else None,
-            "ttft_s": sum(r.ttft_s for r in runs) / len(runs),
+            "prompt_tps": sum(r.n_prompt_tokens for r in prefills) / prefill_s if prefill_s else None,
+            "ttft_s": sum(r.ttft_s for r in prefills) / len(prefills) if prefills else None,
             "decode_tps": decode_tokens / decode_s if decode_s > 0 else None,
             "e2e_tps": sum(r.n_tokens for r in runs) / sum(r.total_s for r in runs),
             "tau": stats.tau(cycles, empty=None),
@@ -353,7 +387,7 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
             "mean_width": sum(c.width for c in spec) / len(spec) if spec else 1.0,
             "plain_steps": sum(1 for c in cycles if c.n_drafted == 0),
             "n_speculative_cycles": len(spec),
-            "peak_memory_gb": max(r.peak_memory_gb for r in runs),
+            "peak_memory_gb": max(r.peak_memory_gb - r.other_caches_gb for r in runs),
             "n_loops": sum(r.loop_period is not None for r in runs),
             "n_mismatch_vs_ar": sum(r.matches_ar is False for r in runs),
             "cycle_ms": 1e3 * sum(c.draft_s + c.verify_s for c in spec) / len(spec) if spec else None,
@@ -397,19 +431,58 @@ def kv_bytes_per_token(target, ids: list[int], kv: dict, n: int = KV_PROBE_TOKEN
     return cache.nbytes / len(cache.tokens)
 
 
+def mode_cache(target, mode: Mode, kv: dict):
+    """A fresh prompt cache for `mode` (mlx-lm's for the reference), through which a repeat
+    decodes the same prompt again without prefilling it."""
+    if mode.kind == "mlx_lm":
+        return mlx_lm_cache(target, kv)
+    from .core.prompt_cache import DEFAULT_RESERVE, PromptCache
+
+    return PromptCache(target, mode.drafter, reserve=max(DEFAULT_RESERVE, mode.width() or 1), **kv)
+
+
+def mode_cache_nbytes(cache) -> int:
+    """Bytes a `mode_cache` holds."""
+    from .core.cache_kinds import cache_nbytes
+
+    return cache.nbytes if hasattr(cache, "nbytes") else sum(cache_nbytes(c) for c in cache)
+
+
+def _check_repeatable(target, modes: list[Mode], kv: dict) -> None:
+    """Repeats need the reference's cache to be trimmed back to the prompt (ours fall back on a
+    snapshot where they cannot trim)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache
+
+    cache = mlx_lm_cache(target, kv)
+    if any(m.kind == "mlx_lm" for m in modes) and not can_trim_prompt_cache(cache):
+        kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
+        raise ConfigError(f"repeats > 1 with the mlx_lm mode needs trimmable caches; this target has {kinds}")
+
+
+def _warm_up(target, modes: list[Mode], ids: list[int], max_tokens: int, sampling: SamplingParams,
+             cache_dir, kv: dict) -> None:
+    """One untimed generation per mode; past WARMUP_PROMPT_TOKENS, only the first mode's on the
+    whole prompt (the allocator then holds buffers of its size for every mode), the others on
+    its last WARMUP_PROMPT_TOKENS tokens, so a long-context bench does not prefill it twice per mode."""
+    for k, mode in enumerate(modes):
+        run_once(target, mode, ids if k == 0 else ids[-WARMUP_PROMPT_TOKENS:], min(WARMUP_TOKENS, max_tokens),
+                 sampling, cache_dir, kv)
+
+
 def _mark_matches(records: list[RunRecord]) -> None:
-    ar = {(r.suite, r.prompt_id): r.tokens for r in records if r.mode == "ar"}
+    """Every run's tokens against plain decoding's first run of the same prompt (greedy)."""
+    ar = {(r.suite, r.prompt_id): r for r in records if r.mode == "ar" and r.repeat == 0}
     for r in records:
         truth = ar.get((r.suite, r.prompt_id))
-        if r.mode != "ar" and truth is not None:
-            r.matches_ar = r.tokens == truth
+        if truth is not None and r is not truth:
+            r.matches_ar = r.tokens == truth.tokens
 
 
 def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens: int = DEFAULT_MAX_TOKENS,
               sampling: SamplingParams | None = None, encode: Callable[[Prompt], list[int]] | None = None,
               warmup: bool = True, on_run: Callable[[RunRecord], None] | None = None,
               cache_dir=None, isolated: bool = True, kv_bits: int | None = None,
-              kv_group_size: int | None = None) -> BenchReport:
+              kv_group_size: int | None = None, repeats: int = 1) -> BenchReport:
     """Decode every prompt of every suite with every mode, interleaved; see the module doc.
 
     Args:
@@ -422,12 +495,18 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
         isolated: also time each fixed-width mode's drafter pass and verify pass alone
             (with full-precision K/V).
         kv_bits, kv_group_size: every mode's target K/V quantized (mlx_lm's too).
+        repeats: decodes of each prompt per mode. Past the first, each mode decodes again from
+            its own prompt cache (mlx-lm's for the reference), which holds all but the
+            prompt's last token, in rotating order: long prompts are prefilled once per mode,
+            and decode speed is averaged over `repeats` interleaved runs.
     """
     names = [m.name for m in modes]
     if len(set(names)) != len(names):
         raise ConfigError(f"mode names must be distinct, got {names}")
     if max_tokens < 1:
         raise ConfigError(f"max_tokens must be >= 1, got {max_tokens}")
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
     sampling = sampling or SamplingParams()
     encode = encode or default_encoder(target)
     prompts = [p for s in suites for p in s.prompts]
@@ -438,19 +517,26 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
     if kv_bits is not None:
         target.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # refuse a bad combination first
         kv = {"kv_bits": kv_bits, "kv_group_size": target.kv_group_size(kv_bits, kv_group_size)}
+    if repeats > 1:
+        _check_repeatable(target, modes, kv)
     if warmup:
-        for mode in modes:
-            run_once(target, mode, encoded[0], min(WARMUP_TOKENS, max_tokens), sampling, cache_dir, kv)
+        _warm_up(target, modes, encoded[0], max_tokens, sampling, cache_dir, kv)
     base_seed = sampling.seed if sampling.seed is not None else 0
     records = []
     for j, (prompt, ids) in enumerate(zip(prompts, encoded)):
         params = sampling if sampling.greedy else dataclasses.replace(sampling, seed=base_seed + j)
-        for mode in modes[j % len(modes):] + modes[: j % len(modes)]:
-            record = run_once(target, mode, ids, max_tokens, params, cache_dir, kv)
-            record.suite, record.prompt_id = prompt.suite, prompt.id
-            records.append(record)
-            if on_run is not None:
-                on_run(record)
+        order = modes[j % len(modes):] + modes[: j % len(modes)]
+        caches = {m.name: mode_cache(target, m, kv) for m in modes} if repeats > 1 else {}
+        for r in range(repeats):
+            for mode in order[r % len(order):] + order[: r % len(order)]:
+                held = sum(mode_cache_nbytes(c) for name, c in caches.items() if name != mode.name)
+                record = run_once(target, mode, ids, max_tokens, params, cache_dir, kv, caches.get(mode.name))
+                record.suite, record.prompt_id, record.repeat = prompt.suite, prompt.id, r
+                record.other_caches_gb = held / 1e9
+                records.append(record)
+                if on_run is not None:
+                    on_run(record)
+        del caches
     if sampling.greedy:
         _mark_matches(records)
     described = [m.describe() for m in modes]
@@ -461,7 +547,7 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
     settings = {"max_tokens": max_tokens, "sampling": sampling.to_dict(), "warmup": warmup,
                 "kv_cache_bytes_per_token": kv_bytes_per_token(target, encoded[0], kv),
                 "loop_window": LOOP_WINDOW, "loop_max_period": LOOP_MAX_PERIOD,
-                "n_prompts": len(prompts), "interleaved": True, "kv_bits": kv.get("kv_bits"),
+                "n_prompts": len(prompts), "interleaved": True, "repeats": repeats, "kv_bits": kv.get("kv_bits"),
                 "kv_group_size": kv.get("kv_group_size")}
     suites_info = [{"name": s.name, "source": s.source, "available": s.available, "n": len(s.prompts)}
                    for s in suites]
@@ -473,45 +559,3 @@ def machine_info() -> dict:
     from .core.calibration import machine_fingerprint
 
     return {**machine_fingerprint(), "platform": platform.platform()}
-
-
-def plot_acceptance(report: BenchReport, path) -> None:
-    """PNG: conditional acceptance by block position, one line per speculative mode; one panel
-    for all suites together and one per suite."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'dflash2-mlx[plot]'") from None
-    summary = report.summary()
-    panels = [("all suites", summary["overall"]), *summary["by_suite"].items()]
-    cols = min(3, len(panels))
-    rows = -(-len(panels) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.3 * rows), squeeze=False, sharey=True)
-    for ax, (title, figures) in zip(axes.flat, panels):
-        for mode, f in figures.items():
-            points = [(i + 1, v, n) for i, (v, (_, n)) in enumerate(zip(f["acceptance_by_position"],
-                                                                       f["acceptance_counts"])) if v is not None]
-            if points:
-                line, = ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
-                                label=f"{mode} (τ {f['tau']:.2f})")
-                for x, y, n in points:  # how many cycles the point rests on; a thin point is faded
-                    ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(0, 5), fontsize=6,
-                                ha="center", color=line.get_color(), alpha=1.0 if n >= MIN_CYCLES else 0.4)
-        ax.set_title(title)
-        ax.set_xlabel("block position")
-        ax.set_ylim(0, 1.02)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    for ax in axes.flat[len(panels):]:
-        ax.axis("off")
-    axes[0][0].set_ylabel("P(accepted | earlier accepted)")
-    fig.suptitle(f"Acceptance by block position ({report.settings['n_prompts']} prompts, "
-                 f"T={report.settings['sampling']['temperature']}; labels: cycles that reached each position)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -12,10 +12,10 @@ from dflash2_mlx.bench import (
     RunRecord,
     loop_period,
     parse_modes,
-    plot_acceptance,
     run_bench,
     summarize,
 )
+from dflash2_mlx.bench_plot import plot_acceptance
 from dflash2_mlx.core.events import CycleStats
 from dflash2_mlx.core.stats import acceptance_by_position, acceptance_counts, accepted_histogram, rates, tau
 from dflash2_mlx.errors import ConfigError
@@ -234,3 +234,44 @@ def test_mlx_lm_reference_mode_and_isolated_costs(tmp_path):
     assert spec["cycle_ms"] == pytest.approx(spec["draft_ms"] + spec["verify_ms"])
     with pytest.raises(ConfigError, match="no block size"):
         parse_modes("mlx_lm@4")
+
+
+def test_repeats_prefill_once_per_mode_and_decode_again_from_each_mode_cache(tmp_path):
+    from tiny import tiny_drafter, tiny_target
+
+    target = tiny_target("llama")
+    v2 = tiny_drafter(target, "dflash2", block_size=5, sliding_window=8)  # the drafter's window trims back
+    modes = [Mode("mlx_lm", "mlx_lm"), Mode("ar", "ar"), Mode("dflash2@4", "dflash2", v2, 4, drafter_path="v2"),
+             Mode("dflash2@auto", "dflash2", v2, "auto", drafter_path="v2")]
+    prompt = Prompt("long", "0", " ".join(f"w{i}" for i in range(40)))
+    ids = target.tokenizer.encode(prompt.text)
+    seen = []
+    report = run_bench(target, modes, [SuitePrompts("long", [prompt], "test", 1)], max_tokens=20,
+                       encode=lambda p: target.tokenizer.encode(p.text), on_run=seen.append, cache_dir=tmp_path,
+                       repeats=3, isolated=False)
+    names = [m.name for m in modes]
+    assert [r.mode for r in seen] == names + names[1:] + names[:1] + names[2:] + names[:2]
+    assert [r.repeat for r in seen] == [0] * 4 + [1] * 4 + [2] * 4
+    assert all(r.n_cached == (0 if r.repeat == 0 else len(ids) - 1) for r in seen)
+    first_ar = next(r for r in seen if r.mode == "ar")
+    assert all(r.tokens == first_ar.tokens and r.matches_ar for r in seen if r is not first_ar)
+    assert all(r.other_caches_gb > 0 for r in seen[4:])  # every mode's cache holds its prompt by then
+    overall = report.summary()["overall"]
+    for name in names:
+        assert overall[name]["n_runs"] == 3 and overall[name]["n_tokens"] == 60
+        assert overall[name]["n_prompt_tokens"] == len(ids)  # prefill figures from the one prefill
+        assert overall[name]["ttft_s"] == next(r.ttft_s for r in seen if r.mode == name)
+        peaks = [r.peak_memory_gb - r.other_caches_gb for r in seen if r.mode == name]
+        assert overall[name]["peak_memory_gb"] == max(peaks)
+    assert report.settings["repeats"] == 3
+    with pytest.raises(ConfigError, match="repeats must be >= 1, got 0"):
+        run_bench(target, modes[:2], [SuitePrompts("long", [prompt], "test", 1)], repeats=0, encode=lambda p: [1, 2])
+
+
+def test_repeats_with_the_mlx_lm_mode_are_refused_naming_an_untrimmable_cache():
+    from tiny import tiny_target
+
+    target = tiny_target("qwen3_5")
+    suites = [SuitePrompts("s", [Prompt("s", "0", "hi")], "test", 1)]
+    with pytest.raises(ConfigError, match="needs trimmable caches; this target has \\['ArraysCache'\\]"):
+        run_bench(target, [Mode("mlx_lm", "mlx_lm"), Mode("ar", "ar")], suites, repeats=2, encode=lambda p: [1, 2])

@@ -101,7 +101,7 @@ def test_bench_context_suites_with_quantized_kv(runner, tmp_path):
 
     target, v2 = save_tiny_pair(tmp_path / "pair", block_size=4, target_overrides={"head_dim": 32})
     reports = {}
-    for kv in ([], ["--kv-bits", "8"]):
+    for kv in ([], ["--kv-bits", "8", "--repeats", "2"]):
         out = tmp_path / f"bench{len(kv)}.json"
         res = runner.invoke(app, ["bench", str(target), "--drafter", str(v2), "--context", "300,600", "--n", "2",
                                   "--max-tokens", "8", "--modes", "mlx_lm,ar,dflash2@4", "--no-warmup",
@@ -109,18 +109,23 @@ def test_bench_context_suites_with_quantized_kv(runner, tmp_path):
         assert res.exit_code == 0, res.output
         assert "KiB per token of context" in res.output
         reports[len(kv)] = json.loads(out.read_text())
-    data = reports[2]
+    data = reports[4]
     assert [s["name"] for s in data["suites"]] == ["context-300", "context-600"]
+    assert data["settings"]["repeats"] == 2 and len(data["runs"]) == 2 * 2 * 3 * 2  # suites x prompts x modes x repeats
+    assert [r["repeat"] for r in data["runs"]].count(1) == 12
     assert data["settings"]["kv_bits"] == 8 and data["settings"]["kv_group_size"] == 32
     lengths = {r["suite"]: r["n_prompt_tokens"] for r in data["runs"]}
     assert abs(lengths["context-300"] - 300) <= 4 and abs(lengths["context-600"] - 600) <= 4, lengths
     texts = {r["prompt_id"]: r["n_prompt_tokens"] for r in data["runs"] if r["suite"] == "context-600"}
     assert len(texts) == 2
-    # exact under the same quantization; mlx_lm's reference gets the same quantized cache from the first token
-    assert all(r["matches_ar"] for r in data["runs"] if r["mode"] in ("dflash2@4", "mlx_lm"))
-    full, quantized = (reports[k]["settings"]["kv_cache_bytes_per_token"] for k in (0, 2))
+    # exact under the same quantization; mlx_lm's reference gets the same quantized cache from the first
+    # token; a repeat decodes again from each mode's trimmed cache
+    assert all(r["matches_ar"] for r in data["runs"] if r["mode"] in ("dflash2@4", "mlx_lm") or r["repeat"])
+    full, quantized = (reports[k]["settings"]["kv_cache_bytes_per_token"] for k in (0, 4))
     assert quantized < 0.6 * full, (quantized, full)
     res = runner.invoke(app, ["bench", str(target), "--context", "100"])
     assert res.exit_code == 2 and "--context must be at least 256 tokens, got 100" in res.output
     res = runner.invoke(app, ["bench", str(target), "--context", "4k"])
     assert res.exit_code == 2 and "--context takes token counts like 4096,16384, got '4k'" in res.output
+    res = runner.invoke(app, ["bench", str(target), "--repeats", "0"])
+    assert res.exit_code == 2 and "--repeats" in res.output

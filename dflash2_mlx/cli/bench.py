@@ -50,6 +50,8 @@ Examples:
 
   dflash2 bench --context 4096,16384 --n 2 --modes mlx_lm,ar,dflash2@4 --kv-bits 8   # agent-sized prompts
 
+  dflash2 bench --context 16384 --n 1 --repeats 3 --modes mlx_lm,ar,dflash2@auto   # prefill once, decode 3x
+
   dflash2 bench --calibrate               # re-measure the costs behind 'auto'
 """
 
@@ -73,6 +75,10 @@ def bench(
                                                    "TTFT and peak memory beside decode speed.")] = None,
     n: Annotated[int, typer.Option("--n", min=1, help="Prompts per suite (evenly spaced over the set).")] = 8,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Tokens to generate per prompt.")] = 256,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Decodes of each prompt per mode: the first "
+                                         "prefills it, the others decode again from the mode's prompt cache "
+                                         "(mlx-lm's for mlx_lm), interleaved. Use with --context: the prompt is "
+                                         "prefilled once per mode and decode speed averages over repeats.")] = 1,
     modes: Annotated[Optional[str], typer.Option("--modes", "-m", help="Comma-separated modes: ar, dflash, "
                                                  "dflash2, each optionally @WIDTH or @auto. [default: "
                                                  f"{DEFAULT_MODES}, skipping modes without a drafter]")] = None,
@@ -127,7 +133,7 @@ def bench(
     for note in notes:
         err.print(f"[yellow]note:[/yellow] {note}")
     kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
-    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err, kv)
+    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err, kv, repeats)
     report.notes = notes
     report.settings.update(model=spec.name, target=str(spec.target), suites=[s.name for s in suites], n=n)
     render_report(report, out)
@@ -137,7 +143,9 @@ def bench(
         Path(json_out).write_text(_dumps(report.to_json()))
         err.print(f"wrote {json_out}")
     if plot is not None:
-        lib.plot_acceptance(report, plot)
+        from ..bench_plot import plot_acceptance
+
+        plot_acceptance(report, plot)
         err.print(f"wrote {plot}")
 
 
@@ -230,7 +238,7 @@ def _context_lengths(value: str | None) -> list[int]:
         raise ConfigError(f"--context takes token counts like 4096,16384, got {value!r}") from None
 
 
-def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv):
+def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv, repeats=1):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -240,7 +248,7 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
         TimeRemainingColumn,
     )
 
-    total = sum(len(s.prompts) for s in suites) * len(modes)
+    total = sum(len(s.prompts) for s in suites) * len(modes) * repeats
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn()]
     with Progress(*columns, console=console, transient=True) as progress:
@@ -251,7 +259,7 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
                                                            f"{record.decode_tps:.1f} tok/s")
 
         return lib.run_bench(target, modes, suites, max_tokens=max_tokens, sampling=sampling, warmup=warmup,
-                             on_run=on_run, **kv)
+                             on_run=on_run, repeats=repeats, **kv)
 
 
 def _calibrate(target, drafters, console, size) -> None:
