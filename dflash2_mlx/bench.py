@@ -374,6 +374,7 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
         spec = stats.speculative(cycles)
         out[mode] = {
             "n_runs": len(runs),
+            "n_prefills": len(prefills),
             "n_prompt_tokens": sum(r.n_prompt_tokens for r in prefills),
             "n_tokens": sum(r.n_tokens for r in runs),
             "prompt_tps": sum(r.n_prompt_tokens for r in prefills) / prefill_s if prefill_s else None,

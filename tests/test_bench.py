@@ -259,7 +259,7 @@ def test_repeats_prefill_once_per_mode_and_decode_again_from_each_mode_cache(tmp
     overall = report.summary()["overall"]
     for name in names:
         assert overall[name]["n_runs"] == 3 and overall[name]["n_tokens"] == 60
-        assert overall[name]["n_prompt_tokens"] == len(ids)  # prefill figures from the one prefill
+        assert overall[name]["n_prefills"] == 1 and overall[name]["n_prompt_tokens"] == len(ids)  # the one prefill
         assert overall[name]["ttft_s"] == next(r.ttft_s for r in seen if r.mode == name)
         peaks = [r.peak_memory_gb - r.other_caches_gb for r in seen if r.mode == name]
         assert overall[name]["peak_memory_gb"] == max(peaks)

@@ -29,7 +29,7 @@ def rows(run: dict) -> list[dict]:
         ref, plain = modes.get("mlx_lm"), modes.get("ar")
         for mode, m in modes.items():
             out.append({
-                "kv": kv, "context": context, "mode": mode, "prompt_tokens": m["n_prompt_tokens"] // m["n_runs"],
+                "kv": kv, "context": context, "mode": mode, "prompt_tokens": m["n_prompt_tokens"] // m.get("n_prefills", m["n_runs"]),
                 "prefill_tps": m["prompt_tps"], "ttft_s": m["ttft_s"], "decode_tps": m["decode_tps"],
                 "tau": m["tau"], "peak_gb": m["peak_memory_gb"], "mismatch_vs_ar": m["n_mismatch_vs_ar"],
                 "decode_x_mlx_lm": m["decode_tps"] / ref["decode_tps"] if ref else None,
