@@ -29,7 +29,7 @@ def rows(run: dict) -> list[dict]:
         ref, plain = modes.get("mlx_lm"), modes.get("ar")
         for mode, m in modes.items():
             out.append({
-                "kv": kv, "context": context, "mode": mode, "prompt_tokens": m["n_prompt_tokens"] // m.get("n_prefills", m["n_runs"]),
+                "kv": kv, "context": context, "mode": mode, "prompt_tokens": m["n_prompt_tokens"] // _prefills(run, suite, mode),
                 "prefill_tps": m["prompt_tps"], "ttft_s": m["ttft_s"], "decode_tps": m["decode_tps"],
                 "tau": m["tau"], "peak_gb": m["peak_memory_gb"], "mismatch_vs_ar": m["n_mismatch_vs_ar"],
                 "decode_x_mlx_lm": m["decode_tps"] / ref["decode_tps"] if ref else None,
@@ -38,6 +38,11 @@ def rows(run: dict) -> list[dict]:
                 "kv_bytes_per_token": run["settings"].get("kv_cache_bytes_per_token"),
             })
     return out
+
+
+def _prefills(run: dict, suite: str, mode: str) -> int:
+    """Runs that prefilled (with --repeats the others decoded from a prompt cache)."""
+    return sum(1 for r in run["runs"] if r["suite"] == suite and r["mode"] == mode and not r.get("n_cached"))
 
 
 def table(all_rows: list[dict]) -> str:
