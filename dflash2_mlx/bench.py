@@ -454,8 +454,10 @@ def _check_repeatable(target, modes: list[Mode], kv: dict) -> None:
     snapshot where they cannot trim)."""
     from mlx_lm.models.cache import can_trim_prompt_cache
 
+    if not any(m.kind == "mlx_lm" for m in modes):
+        return
     cache = mlx_lm_cache(target, kv)
-    if any(m.kind == "mlx_lm" for m in modes) and not can_trim_prompt_cache(cache):
+    if not can_trim_prompt_cache(cache):
         kinds = sorted({type(c).__name__ for c in cache if not c.is_trimmable()})
         raise ConfigError(f"repeats > 1 with the mlx_lm mode needs trimmable caches; this target has {kinds}")
 
