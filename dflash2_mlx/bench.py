@@ -4,8 +4,8 @@ Rules that keep the numbers honest:
 * every mode decodes every prompt with the same sampling settings (and the same seed per
   prompt at T > 0), in one process, interleaved prompt by prompt, with the mode order rotated
   from one prompt to the next so no mode always runs first (warm caches, thermal state);
-* one untimed warm-up generation per mode first (shape compilation, calibration for `auto`);
-  past 2,048 prompt tokens only the first mode's sees the whole prompt (the allocator is shared);
+* one untimed warm-up generation per mode first (shape compilation, calibration for `auto`),
+  on at most the prompt's last 2,048 tokens, so a long prompt is not prefilled once more per mode;
 * with `repeats`, each mode prefills a prompt once and decodes it again from its own prompt
   cache, repeats interleaved in rotating order: at long context, where one prefill takes many
   minutes, decode speed then rests on several runs taken side by side, not one per mode;
@@ -39,7 +39,7 @@ from .prompts import Prompt, SuitePrompts
 DEFAULT_N = 8
 DEFAULT_MAX_TOKENS = 256
 WARMUP_TOKENS = 16
-WARMUP_PROMPT_TOKENS = 2048  # the warm-up of every mode but the first sees at most this much prompt
+WARMUP_PROMPT_TOKENS = 2048  # a warm-up sees at most this much prompt
 LOOP_WINDOW = 64
 LOOP_MAX_PERIOD = 32  # at least two exact copies in the window
 MODE_KINDS = ("ar", "dflash", "dflash2", "mlx_lm")
@@ -464,12 +464,11 @@ def _check_repeatable(target, modes: list[Mode], kv: dict) -> None:
 
 def _warm_up(target, modes: list[Mode], ids: list[int], max_tokens: int, sampling: SamplingParams,
              cache_dir, kv: dict) -> None:
-    """One untimed generation per mode; past WARMUP_PROMPT_TOKENS, only the first mode's on the
-    whole prompt (the allocator then holds buffers of its size for every mode), the others on
-    its last WARMUP_PROMPT_TOKENS tokens, so a long-context bench does not prefill it twice per mode."""
-    for k, mode in enumerate(modes):
-        run_once(target, mode, ids if k == 0 else ids[-WARMUP_PROMPT_TOKENS:], min(WARMUP_TOKENS, max_tokens),
-                 sampling, cache_dir, kv)
+    """One untimed generation per mode on at most the prompt's last WARMUP_PROMPT_TOKENS tokens:
+    that compiles every shape a run uses, and a whole long prompt would cost one more prefill per
+    mode (37 min at 28k here) to warm buffers whose allocation takes seconds."""
+    for mode in modes:
+        run_once(target, mode, ids[-WARMUP_PROMPT_TOKENS:], min(WARMUP_TOKENS, max_tokens), sampling, cache_dir, kv)
 
 
 def _mark_matches(records: list[RunRecord]) -> None:
