@@ -466,7 +466,7 @@ def _warm_up(target, modes: list[Mode], ids: list[int], max_tokens: int, samplin
              cache_dir, kv: dict) -> None:
     """One untimed generation per mode on at most the prompt's last WARMUP_PROMPT_TOKENS tokens:
     that compiles every shape a run uses, and a whole long prompt would cost one more prefill per
-    mode (37 min at 28k here) to warm buffers whose allocation takes seconds."""
+    mode (40-85 min at 28k on 2 CPU cores) to warm buffers whose allocation takes seconds."""
     for mode in modes:
         run_once(target, mode, ids[-WARMUP_PROMPT_TOKENS:], min(WARMUP_TOKENS, max_tokens), sampling, cache_dir, kv)
 
