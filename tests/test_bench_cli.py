@@ -51,6 +51,10 @@ def test_bench_json_has_every_field(pair, runner, tmp_path):
     assert overall["dflash"]["speedup"] > 0 and len(overall["dflash2"]["acceptance_by_position"]) == 3
     assert "summary_without_loops" in data and "loops" in data
     assert "decode tok/s" in res.output and "P(draft accepted" in res.output  # the tables
+    logged = [line for line in res.output.splitlines() if line.startswith("run ")]  # not a terminal: one line a run
+    assert len(logged) == 8 and logged[-1].startswith("run 8/8 ")
+    assert all("prefill" in line and "decode" in line for line in logged)
+    assert any("dflash2 (repeat 0)" in line and "τ" in line for line in logged)
 
 
 def test_bench_json_to_stdout_and_plain_modes(pair, runner):

@@ -257,9 +257,20 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
         def on_run(record):
             progress.update(task, advance=1, description=f"{record.suite}/{record.prompt_id} {record.mode}: "
                                                            f"{record.decode_tps:.1f} tok/s")
+            if not console.is_terminal:  # a log of an hours-long run keeps each run's figures as it ends
+                console.print(run_line(record, int(progress.tasks[0].completed), total))
 
         return lib.run_bench(target, modes, suites, max_tokens=max_tokens, sampling=sampling, warmup=warmup,
                              on_run=on_run, repeats=repeats, **kv)
+
+
+def run_line(record, done: int, total: int) -> str:
+    """One finished run, for a log: prefill, TTFT, decode and τ as they stand."""
+    tau = "" if record.tau is None else f", τ {record.tau:.2f}"
+    return (f"run {done}/{total} {record.suite}/{record.prompt_id} {record.mode} (repeat {record.repeat}): "
+            f"{'cached prompt' if record.n_cached else 'prefill'} {record.prompt_tps:.1f} tok/s, "
+            f"TTFT {record.ttft_s:.1f} s, "
+            f"decode {record.decode_tps:.2f} tok/s{tau}")
 
 
 def _calibrate(target, drafters, console, size) -> None:
