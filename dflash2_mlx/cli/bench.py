@@ -239,6 +239,8 @@ def _context_lengths(value: str | None) -> list[int]:
 
 
 def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv, repeats=1):
+    import itertools
+
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -254,11 +256,13 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("warming up" if warmup else "benchmarking", total=total)
 
+        done = itertools.count(1)
+
         def on_run(record):
             progress.update(task, advance=1, description=f"{record.suite}/{record.prompt_id} {record.mode}: "
                                                            f"{record.decode_tps:.1f} tok/s")
             if not console.is_terminal:  # a log of an hours-long run keeps each run's figures as it ends
-                console.print(run_line(record, int(progress.tasks[0].completed), total))
+                console.print(run_line(record, next(done), total))
 
         return lib.run_bench(target, modes, suites, max_tokens=max_tokens, sampling=sampling, warmup=warmup,
                              on_run=on_run, repeats=repeats, **kv)
