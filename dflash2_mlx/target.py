@@ -22,6 +22,7 @@ import mlx.nn as nn
 
 from .core.cache_kinds import kind_of
 from .core.caches import adapt_cache
+from .core.kv_attention import attention_view
 from .core.recurrent import _Wrapper, install_replay, replay_layers
 from .errors import ConfigError, DFlashError
 
@@ -369,6 +370,7 @@ class Target:
             raise ConfigError(f"a pipelined target gathers the taps agreed at start {list(self.pipeline_taps)}, "
                               f"not {list(taps)}")
         self._sink.wanted = frozenset(self.pipeline_taps if self.pipelined else taps)
+        cache = attention_view(cache, tokens.shape[1])
         try:
             if self.info.head_matches_model:
                 h = final = self.inner(tokens, cache=cache)
