@@ -35,8 +35,8 @@ DraftVocabOpt = Annotated[Optional[int], typer.Option("--draft-vocab", min=0, he
                                                       "head). Default: the file's size when it is there.")]
 KvBitsOpt = Annotated[Optional[int], typer.Option("--kv-bits", help="Store the target's full-attention K/V "
                                               "quantized to 4 or 8 bits (mlx-lm's QuantizedKVCache): less memory at "
-                                              "long context; output equals plain decoding with the same quantization. Attention "
-                                              "reads it dequantized, at float-attention speed.")]
+                                              "long context; output equals plain decoding with the same "
+                                              "quantization. Attention reads it dequantized, at float speed.")]
 KvGroupSizeOpt = Annotated[Optional[int], typer.Option("--kv-group-size", help="Quantization group of --kv-bits: 32, "
                                                        "64 or 128 (default 64, or 32 where 64 does not divide the "
                                                        "head dimension).")]
