@@ -26,6 +26,7 @@ def test_float_reads_give_mlx_lm_quantized_attention_and_store_the_same_cache(fa
     chunks = [PROMPT[:10], PROMPT[10:], [4], [19], [2]]
     for chunk in chunks:
         tokens = mx.array([chunk])
+        # the view itself, not `attention_view`: on a GPU a one-token step would not be viewed
         fast = target.model(tokens, cache=[FloatReadView(c) if type(c) is QuantizedKVCache else c
                                            for c in viewed])
         slow = target.model(tokens, cache=reference)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -239,8 +240,6 @@ def _context_lengths(value: str | None) -> list[int]:
 
 
 def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv, repeats=1):
-    import itertools
-
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
