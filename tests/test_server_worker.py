@@ -17,7 +17,7 @@ from dflash2_mlx.server.config import ServerConfig
 from dflash2_mlx.server.dispatch import check_model, make_state
 from dflash2_mlx.server.errors import APIError, validation_message
 from dflash2_mlx.server.metrics import Metrics, parse
-from dflash2_mlx.server.worker import Failed, GenerationWorker, Job, JobFailed, QueueFull, ServerClosing
+from dflash2_mlx.server.worker import Failed, GenerationWorker, Job, JobFailed, JobStats, QueueFull, ServerClosing
 from dflash2_mlx.session import Session
 
 from tiny import tiny_drafter, tiny_target
@@ -151,6 +151,17 @@ def test_engine_errors_become_failures_and_the_worker_survives(session):
     failure, events = asyncio.run(main())
     assert failure.status == 400 and "5000" in failure.message
     assert sum(len(e.tokens) for e in events) == 3
+
+
+@pytest.mark.parametrize("prompt_ms, shift_ms", [(40.0, 10.0), (12.0, 6.0)])
+def test_ollama_durations_move_the_first_token_at_the_mean_step_or_half_the_prompt_pass(prompt_ms, shift_ms):
+    """A 10 ms mean step: a 40 ms prompt pass gives up one step, a 12 ms one (a cached prefix) only
+    half of itself; either way the two durations sum to the time spent."""
+    stats = JobStats(prompt_n=20, prompt_ms=prompt_ms, predicted_n=5, predicted_ms=40.0)
+    prompt_eval_ms, eval_ms = stats.ollama_durations_ms()
+    assert (prompt_eval_ms, eval_ms) == pytest.approx((prompt_ms - shift_ms, 40.0 + shift_ms))
+    alone = JobStats(prompt_n=9, cached_tokens=4, prompt_ms=30.0, predicted_n=1)
+    assert alone.ollama_durations_ms() == pytest.approx((25.0, 5.0))  # the token's share of 5 uncached + 1
 
 
 def test_model_names(session):
