@@ -6,7 +6,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from dflash2_mlx.core.kv_attention import LONG_PASS, FloatReadView, attention_view, float_reads
+from dflash2_mlx.core.kv_attention import LONG_PASS, FloatReadView, attention_view, float_reads, unpack_groups
 
 from tiny import tiny_target
 
@@ -63,3 +63,14 @@ def test_float_reads_always_on_the_cpu_and_for_long_passes_elsewhere():
     cache = [QuantizedKVCache(64, 8), KVCache()]
     viewed = attention_view(cache, LONG_PASS)  # viewed on every device
     assert isinstance(viewed[0], FloatReadView) and viewed[0].cache is cache[0] and viewed[1] is cache[1]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("bits, group", [(8, 64), (8, 32), (4, 64), (4, 32), (2, 64)])
+def test_unpacked_groups_equal_mx_dequantize_bit_for_bit(dtype, bits, group):
+    values = (mx.random.normal((1, 2, 37, 128), key=mx.random.key(bits * group)) * 3).astype(dtype)
+    stored = mx.quantize(values, group_size=group, bits=bits)
+    fast = unpack_groups(*stored, group_size=group, bits=bits)
+    slow = mx.dequantize(*stored, group_size=group, bits=bits)
+    assert fast.dtype == slow.dtype == dtype and fast.shape == slow.shape == values.shape
+    assert mx.array_equal(fast, slow).item()

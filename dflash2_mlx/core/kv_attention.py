@@ -6,7 +6,9 @@ attention (one Qwen2.5-0.5B layer: a 2,048-token chunk over 16k keys, 33.0 s aga
 a one-token step, 28 against 8 ms), so an 8-bit prefill took far longer than a full-precision
 one. `FloatReadView` leaves the cache quantized and hands the layer its dequantized keys and
 values, so the layer takes the float attention kernel over the same values, one layer's float
-copy alive at a time.
+copy alive at a time. On the CPU the copy is unpacked from byte views (`unpack_groups`), bit for
+bit what `mx.dequantize` gives in a third of its time there (16k keys of one layer: 1.3 ms
+against 4.0 at 8-bit), since a decode step re-reads the whole cache.
 """
 
 from __future__ import annotations
@@ -47,11 +49,25 @@ class FloatReadView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         stored_keys, stored_values = self.cache.update_and_fetch(keys, values)
         group, bits = self.cache.group_size, self.cache.bits
-        return (mx.dequantize(*stored_keys, group_size=group, bits=bits),
-                mx.dequantize(*stored_values, group_size=group, bits=bits))
+        read = unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
+        return (read(*stored_keys, group_size=group, bits=bits),
+                read(*stored_values, group_size=group, bits=bits))
 
     def make_mask(self, *args, **kwargs):
         return self.cache.make_mask(*args, **kwargs)
+
+
+def unpack_groups(packed: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
+    """`mx.dequantize(packed, scales, biases, group_size, bits)` for 4- and 8-bit affine groups,
+    read through a byte view of `packed` (its slow twin for other widths)."""
+    if bits not in (4, 8):
+        return mx.dequantize(packed, scales, biases, group_size=group_size, bits=bits)
+    codes = packed.view(mx.uint8)
+    if bits == 4:  # the low nibble holds the earlier element (MLX packs from the low bits up)
+        codes = mx.stack([codes & 0xF, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+    lead = codes.shape[:-1]
+    groups = codes.astype(scales.dtype).reshape(*lead, -1, group_size)
+    return (groups * scales[..., None] + biases[..., None]).reshape(*lead, -1)
 
 
 def float_reads(n_tokens: int, device: mx.Device | None = None) -> bool:
