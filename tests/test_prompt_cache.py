@@ -55,6 +55,22 @@ def test_turns_with_a_prompt_cache_equal_cold_runs(target, arch, reserve):
     assert cache.last_reuse.n_cached == len(turns[-1]) - 1  # a repeat always hits: the mark is there
 
 
+def test_a_cold_run_and_a_cache_hit_score_the_first_token_bit_for_bit(target):
+    """Both feed the last prompt token in a pass of its own (as mlx-lm does), so a near-tie
+    cannot fall one way cold and the other way from the cache."""
+    cache = PromptCache(target, None)
+
+    def first_logprobs(prompt_cache):
+        events = stream_generate(target, P1, max_tokens=1, prompt_cache=prompt_cache, top_logprobs=8)
+        return [(lp.logprob, lp.top) for ev in events for lp in ev.logprobs]
+
+    first_logprobs(cache)
+    assert cache.tokens[: len(P1) - 1] == P1[:-1]
+    hot = first_logprobs(cache)
+    assert cache.last_reuse.n_cached == len(P1) - 1
+    assert hot == first_logprobs(None)
+
+
 def test_exact_kinds_trim_and_others_fall_back_to_the_mark(target):
     drafter = tiny_drafter(target, "dflash2", block_size=4, layer_types=["full_attention"] * 2)
     cache = PromptCache(target, drafter, reserve=4)

@@ -128,16 +128,20 @@ def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None, mark=None,
     `budget` bounds the tokens fed by this call (whole chunks; a decoder interleaves other rows'
     cycles between calls). `on_prefill(n_done, n_total)` runs before each chunk; a False return
     cancels, so a long prompt can be stopped between chunks. `mark(n)`, if given, runs when the
-    caches cover all but the last prompt token (a chunk ends there).
+    caches cover all but the last prompt token.
+
+    The last prompt token is always a pass of its own, as in mlx-lm's `generate_step`: logits
+    move with a pass's shape, so a reply at a near-tie would otherwise depend on whether a
+    prompt cache supplied the rest of the prompt.
     """
     first = run.fed
     bounds = list(range(run.fed, len(ids), step))
-    if mark is not None and len(ids) - 1 not in bounds:
+    if run.fed < len(ids) - 1 and len(ids) - 1 not in bounds:
         bounds = sorted(bounds + [len(ids) - 1])
     logits = None
     for start, end in zip(bounds, bounds[1:] + [len(ids)]):
         if budget is not None and start - first >= budget and start != len(ids) - 1:
-            return None  # the mark's one-token chunk goes with the chunk before it
+            return None  # the last token's one-token pass goes with the chunk before it
         go = on_prefill is None or on_prefill(start, len(ids)) is not False
         if not _rank0_says(run, go):
             run.cancelled = True
