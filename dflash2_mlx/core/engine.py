@@ -148,12 +148,16 @@ def _prefill(run: _Run, ids: list[int], step: int, on_prefill=None, mark=None,
             return None
         if mark is not None and start == len(ids) - 1:
             mark(run.fed)
+        # sharded over tensors, rank 0's taps may need the last layer, whose collectives every
+        # rank must then run too: each chunk runs to its logits on every rank
+        to_end = end == len(ids) or (run.lockstep is not None and run.lockstep.mode == "tensor")
         logits, hidden = run.target.forward(mx.array([ids[start:end]]), run.target_cache, run.taps,
-                                            "last" if end == len(ids) else "none")
+                                            "last" if to_end else "none")
         if hidden is not None:
             run.context.feed(hidden)
         run.fed = end
-        mx.eval([c.state for c in run.target_cache], run.context.pending if run.context is not None else [])
+        mx.eval([c.state for c in run.target_cache], run.context.pending if run.context is not None else [],
+                logits if to_end and end < len(ids) else [])
     return logits
 
 
