@@ -228,12 +228,16 @@ def _step_plain(run: _Run, lookahead=None) -> tuple[list[int], CycleStats, list 
 def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     """One draft-verify cycle. With `run.overlap` the drafts compute while the host builds the
     verify graph, and the verify is queued right behind them; otherwise the drafts are
-    evaluated first. Either way, waiting on the drafts tells their finish time (`draft_s`) apart."""
+    evaluated first. Either way, the drafts' finish time splits the cycle into `draft_s` and
+    `verify_s`, host-side grammar time taken out of each."""
     if run.follows:
         return _follow_speculative(run, width)
     t0 = time.perf_counter()
     anchor = run.history[-1]
-    proposal, drafts, allowed, grammar_s = draft(run, width)
+    proposal, drafts, allowed, walk_s = draft(run, width)
+    # Drafts evaluated on the host are done now. Evaluated again once the verify is queued, they
+    # would wait for it too on the CPU, and the verify's time would be booked as drafting.
+    t1 = time.perf_counter() if _drafts_on_host(run) and run.lockstep is None else None
     if run.lockstep is not None:  # the same drafts on every rank, then (accepted, next) below
         drafts = run.lockstep.share(drafts)
         if run.target.pipelined:  # before the verify: a stage's receive does not wait on them in the graph
@@ -242,10 +246,12 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     verify_in = mx.concatenate([mx.array([anchor], dtype=drafts.dtype), drafts])[None]
     logits, hidden = run.target.forward(verify_in, run.target_cache, run.taps, "all")
     outputs, info, verdict_s = verdict(run, logits[0], drafts, proposal, allowed)
-    grammar_s += verdict_s
     mx.async_eval(*outputs, *(x for x in info or () if x is not None))
-    mx.eval(drafts)
-    t1 = time.perf_counter()
+    before_t1_s = walk_s  # host grammar time inside the draft span
+    if t1 is None:
+        mx.eval(drafts)
+        t1 = time.perf_counter()
+        before_t1_s += verdict_s
     mx.eval(*outputs)
     draft_list = drafts.tolist()
     n_acc, nxt = accepted(run, draft_list, outputs)
@@ -256,7 +262,9 @@ def _step_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats]:
     run.fed += n_acc + 1
     emitted = draft_list[:n_acc] + [nxt]
     t2 = time.perf_counter()
-    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - grammar_s, t2 - t1, grammar_s), \
+    grammar_s = walk_s + verdict_s
+    return emitted, CycleStats(width, width - 1, n_acc, len(emitted), t1 - t0 - before_t1_s,
+                               t2 - t1 - (grammar_s - before_t1_s), grammar_s), \
         _logprob_list(info, emitted)
 
 
@@ -278,6 +286,12 @@ def _follow_speculative(run: _Run, width: int) -> tuple[list[int], CycleStats, N
     return emitted, CycleStats(width, width - 1, n_acc, len(emitted), 0.0, time.perf_counter() - t0), None
 
 
+def _drafts_on_host(run: _Run) -> bool:
+    """Whether `draft` evaluates the drafts before the verify is built: penalties and grammars
+    read them on the host, and without overlap they run first."""
+    return bool(run.processors) or run.constraint is not None or not run.overlap
+
+
 def draft(run: _Run, width: int):
     """Draft `width - 1` tokens after the run's last token: (proposal, drafts [width - 1]
     (lazy unless the host needs them), the grammar's allowed sets or None, grammar seconds).
@@ -285,7 +299,7 @@ def draft(run: _Run, width: int):
     proposal = run.drafter.draft(mx.array([run.history[-1]]), run.context, width, run.params.temperature,
                                  run.next_key())
     drafts = proposal.tokens[0]
-    if run.processors or run.constraint is not None or not run.overlap:  # penalties, grammar: drafts on the host
+    if _drafts_on_host(run):
         mx.eval(drafts)
     else:
         mx.async_eval(drafts)
