@@ -126,9 +126,11 @@ class Mode:
         if p is not None:
             out["policy"] = {"n_switches": p.trace.n_switches, "n_probes": p.trace.n_probes,
                              "acceptance_estimate": p.acceptance.rates(),
-                             "plain_overhead_s": p.plain_overhead_s, "spec_overhead_s": p.spec_overhead_s,
+                             "plain_overhead_s": p.plain_overhead_s,
+                             "spec_overhead_per_growth_s": p.spec_overhead_s,
                              "calibrated_target_s": list(p.costs.target_s),
-                             "calibrated_draft_s": list(p.costs.draft_s)}
+                             "calibrated_draft_s": list(p.costs.draft_s),
+                             "context_growth": [p.costs.growth(w) for w in range(1, p.costs.max_width + 1)]}
         return out
 
 
@@ -415,7 +417,7 @@ def isolated_costs(target, mode: Mode, n_context: int, repeats: int = 3) -> dict
     width = mode.width()
     if mode.drafter is None or mode.block_size == "auto" or width is None:
         return None
-    costs = measure_costs(target, mode.drafter, width, n_context=n_context, repeats=repeats)
+    costs = measure_costs(target, mode.drafter, width, n_context=n_context, repeats=repeats, slope_context=0)
     return {"width": width, "n_context": n_context, "draft_ms": 1e3 * costs.draft_s[width - 1],
             "verify_ms": 1e3 * costs.target_s[width - 1]}
 

@@ -291,13 +291,14 @@ def _calibrate(target, drafters, console, size) -> None:
         cal = get_calibration(target, drafter, width, refresh=True,
                               progress=lambda done, total: console.print(f"  round {done}/{total}", end="\r"))
         table = Table(title=f"{kind} drafter {path}: costs on {cal.machine.get('summary')}")
-        for col in ("width", "target ms", "drafter ms", "cycle / plain", "break-even acceptance"):
+        for col in ("width", "target ms", "drafter ms", "cycle / plain", "break-even acceptance",
+                    f"growth with context (to {cal.slope_context} tokens)"):
             table.add_column(col, justify="right")
         for w in range(1, cal.costs.max_width + 1):
             be = break_even_acceptance(cal.costs, w) if w > 1 else None
             table.add_row(str(w), f"{1e3 * cal.costs.target_s[w - 1]:.2f}", f"{1e3 * cal.costs.draft_s[w - 1]:.2f}",
                           f"{cal.costs.cycle_s(w) / cal.costs.cycle_s(1):.2f}",
-                          "—" if w == 1 else ("never" if be is None else f"{be:.2f}"))
+                          "—" if w == 1 else ("never" if be is None else f"{be:.2f}"), f"{cal.costs.growth(w):.2f}")
         console.print(table)
 
 

@@ -43,7 +43,7 @@ FAST_COST_EMA = 0.5  # for a cycle over twice the predicted cost
 # Acceptance belongs to the text: a new reply keeps half the evidence and, when decoding plainly,
 # probes at once, so one reply's poor drafts do not keep speculation off in the next ones.
 REPLY_FADE = 0.5
-CALIBRATION_SCHEMA = 1
+CALIBRATION_SCHEMA = 2  # 2: slope_s, the costs measured again at a longer context
 
 
 
@@ -55,11 +55,14 @@ class Costs:
     """Measured seconds, indexed by width - 1 (index 0 = a plain decoding step).
 
     target_s[w-1]: one target forward of w tokens (logits + argmax, taps included);
-    draft_s[w-1]:  one drafter call proposing w - 1 tokens (0 for w = 1).
+    draft_s[w-1]:  one drafter call proposing w - 1 tokens (0 for w = 1);
+    slope_s[w-1]:  seconds that forward gains per token of context (measured at two contexts;
+                   empty when not measured).
     """
 
     target_s: tuple[float, ...]
     draft_s: tuple[float, ...]
+    slope_s: tuple[float, ...] = ()
 
     def __post_init__(self):
         if not self.target_s or len(self.target_s) != len(self.draft_s):
@@ -67,6 +70,8 @@ class Costs:
                              "must be non-empty and of equal length")
         if any(not s > 0 for s in self.target_s) or any(s < 0 for s in self.draft_s):
             raise ValueError(f"costs must be positive, got target_s={self.target_s} draft_s={self.draft_s}")
+        if self.slope_s and (len(self.slope_s) != len(self.target_s) or any(s < 0 for s in self.slope_s)):
+            raise ValueError(f"slope_s must be empty or {len(self.target_s)} non-negative values, got {self.slope_s}")
 
     @property
     def max_width(self) -> int:
@@ -74,6 +79,16 @@ class Costs:
 
     def cycle_s(self, width: int) -> float:
         return self.target_s[width - 1] + self.draft_s[width - 1]
+
+    def growth(self, width: int) -> float:
+        """How many times faster a width-`width` forward's cost grows with the context than a
+        plain step's: the measured slopes' ratio (a CPU attends row by row, a GPU reads K/V once),
+        else the calibrated cost ratio; within [1, width], so noise in a flat slope stays bounded."""
+        if self.slope_s and self.slope_s[0] > 0:
+            ratio = self.slope_s[width - 1] / self.slope_s[0]
+        else:
+            ratio = self.target_s[width - 1] / self.target_s[0]
+        return min(max(ratio, 1.0), float(width))
 
 
 def nondecreasing(values: Sequence[float]) -> list[float]:
@@ -119,10 +134,11 @@ def expected_rates(costs: Costs, acceptance: Sequence[float], max_width: int,
 
 
 def spec_overhead(costs: Costs, width: int, plain_overhead_s: float, spec_overhead_s: float) -> float:
-    """A speculative cycle's overhead: the learned one, but at least the plain step's scaled by
-    the calibrated forward-cost ratio. Plain steps measure the cost of a grown context on every
-    step, speculative cycles only while speculating; a wider forward over it costs no less."""
-    return max(spec_overhead_s, plain_overhead_s * costs.target_s[width - 1] / costs.target_s[0])
+    """A speculative cycle's overhead in seconds: the learned one (per unit of `Costs.growth`),
+    but at least the plain step's, scaled by the width's growth. Plain steps measure the cost of
+    a grown context on every step, speculative cycles only while speculating; a wider forward
+    over it costs no less, and at long context on a CPU each verified row pays it again."""
+    return max(spec_overhead_s, plain_overhead_s) * costs.growth(width)
 
 
 def break_even_acceptance(costs: Costs, width: int) -> float | None:
@@ -258,6 +274,8 @@ class AdaptiveBlockPolicy:
         self.costs = costs
         self.acceptance = AcceptanceEstimate(costs.max_width - 1, prior, prior_weight, decay)
         self.hysteresis, self.probe_every, self.cost_ema = hysteresis, probe_every, cost_ema
+        # Seconds beyond the calibrated costs: a plain step's, and a speculative cycle's per unit of
+        # its width's `Costs.growth` (so one probe's measure carries over to the other widths).
         self.plain_overhead_s, self.spec_overhead_s = 0.0, 0.0
         self.spec_seen = False  # whether a speculative cycle's time has been observed
         self.current: int | None = None
@@ -320,7 +338,12 @@ class AdaptiveBlockPolicy:
         if cycle.n_drafted > 0:
             self.plain_run = 0
             if self.probing and self._beat_plain(cycle):
-                self.acceptance.reset()  # the text changed since the evidence was gathered
+                # The text may have changed since the evidence was gathered. One accepted draft
+                # is common even at a losing acceptance, so it only weakens the old evidence.
+                if cycle.n_accepted >= 2:
+                    self.acceptance.reset()
+                else:
+                    self.acceptance.fade(REPLY_FADE)
             for drafted, accepted in rows or [(cycle.n_drafted, cycle.n_accepted)]:
                 self.acceptance.observe(drafted, accepted)
             # A probe is the only fresh evidence of a speculative cycle's cost at this context.
@@ -355,18 +378,23 @@ class AdaptiveBlockPolicy:
         self.probe_gap = min(max(2 * self.probe_gap, self.probe_min_gap), MAX_PROBE_EVERY)
 
     def _update_overhead(self, overhead: float, cycle, weight: float | None = None) -> float:
+        """The blended overhead; a speculative one is kept per unit of its width's growth."""
         if not 1 <= cycle.width <= self.costs.max_width:
             return overhead
         base = self.costs.cycle_s(cycle.width)
+        scale = self.costs.growth(cycle.width) if cycle.width > 1 else 1.0
         if cycle.width > 1:
             overhead = spec_overhead(self.costs, cycle.width, self.plain_overhead_s, overhead)
-        delta = max(cycle.draft_s + cycle.verify_s - base, -base / 2)
-        if self.after_plain:  # this cycle also paid the drafter's catch-up on the prompt or plain rows
+        draft_s = cycle.draft_s
+        if self.after_plain and cycle.width > 1:  # its drafting caught up on the prompt or plain rows too
+            draft_s = min(draft_s, self.costs.draft_s[cycle.width - 1])
+        delta = max(draft_s + cycle.verify_s - base, -base / 2)
+        if self.after_plain and cycle.width == 1:  # one slow step among plain ones is noise, not a jump
             delta = min(delta, overhead + base)
         weight = self.cost_ema if weight is None else weight
         if delta > 2 * overhead + base:  # a jump (a much longer prompt), not noise: follow it fast
             weight = max(weight, FAST_COST_EMA)
-        return (1 - weight) * overhead + weight * delta
+        return ((1 - weight) * overhead + weight * delta) / scale
 
 
 def batch_costs(costs: Costs, batch: int) -> Costs:
@@ -381,7 +409,7 @@ def batch_costs(costs: Costs, batch: int) -> Costs:
         return t[n - 1] if n <= len(t) else t[-1] + slope * (n - len(t))
 
     return Costs(tuple(forward(batch * w) for w in range(1, len(t) + 1)),
-                 tuple(batch * d for d in costs.draft_s))
+                 tuple(batch * d for d in costs.draft_s), tuple(batch * s for s in costs.slope_s))
 
 
 class BatchWidthPolicy:
@@ -467,10 +495,12 @@ class Calibration:
     created: float = field(default_factory=time.time)
     n_context: int = 0
     repeats: int = 0
+    slope_context: int = 0  # the longer context of the two that `Costs.slope_s` comes from
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out["costs"] = {"target_s": list(self.costs.target_s), "draft_s": list(self.costs.draft_s)}
+        out["costs"] = {"target_s": list(self.costs.target_s), "draft_s": list(self.costs.draft_s),
+                        "slope_s": list(self.costs.slope_s)}
         out["schema"] = CALIBRATION_SCHEMA
         return out
 
@@ -478,9 +508,11 @@ class Calibration:
     def from_dict(cls, data: dict) -> "Calibration":
         if data.get("schema") != CALIBRATION_SCHEMA:
             raise ValueError(f"calibration schema {data.get('schema')!r}, expected {CALIBRATION_SCHEMA}")
-        costs = Costs(tuple(data["costs"]["target_s"]), tuple(data["costs"]["draft_s"]))
+        costs = Costs(tuple(data["costs"]["target_s"]), tuple(data["costs"]["draft_s"]),
+                      tuple(data["costs"].get("slope_s", ())))
         return cls(key=data["key"], costs=costs, machine=data["machine"], model=data["model"],
-                   created=data["created"], n_context=data.get("n_context", 0), repeats=data.get("repeats", 0))
+                   created=data["created"], n_context=data.get("n_context", 0), repeats=data.get("repeats", 0),
+                   slope_context=data.get("slope_context", 0))
 
 
 def default_cache_dir() -> Path:
@@ -526,6 +558,7 @@ def calibration_info(cache_dir: Path | None = None) -> list[dict]:
             "plain_ms": 1e3 * cal.costs.target_s[0],
             "cost_ratio_by_width": [round(cal.costs.cycle_s(w) / cal.costs.target_s[0], 3)
                                     for w in range(1, cal.costs.max_width + 1)],
+            "context_growth_by_width": [round(cal.costs.growth(w), 3) for w in range(1, cal.costs.max_width + 1)],
             "speculation_can_win": max(rates[1:], default=0.0) > rates[0],
             "created_ts": cal.created,
         })

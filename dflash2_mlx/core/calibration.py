@@ -6,7 +6,10 @@ drafter call proposing w - 1 tokens, exactly the two halves of an engine cycle. 
 interleaved within each round so drift (thermal, other processes) spreads evenly; the first
 round warms up shapes and is discarded; each cost is the median of the remaining rounds,
 then smoothed to be non-decreasing in width (a dip is noise). Both caches are rolled back
-to one new token per measurement, so the context stays put.
+to one new token per measurement, so the context stays put. The target forwards are then
+timed again over a context stretched to `DEFAULT_SLOPE_CONTEXT` tokens (its keys and values
+repeated, no prefill): how fast each width's cost grows with the context (`Costs.slope_s`),
+which on a CPU, where each verified row attends on its own, is far faster for wide blocks.
 
 The cache key covers the machine (CPU/GPU, OS, MLX version, BLAS) and the pair (paths, file
 sizes and times, shapes, dtypes, quantization), so a change to any of them measures again.
@@ -36,11 +39,16 @@ from .block_policy import (
     nondecreasing,
     save_calibration,
 )
+from .cache_kinds import kind_of
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CONTEXT = 256
 DEFAULT_REPEATS = 3
+# The target's costs are measured again over this many tokens of context: how each width's cost
+# grows with it (on a CPU each verified row attends on its own; a GPU reads the K/V once).
+DEFAULT_SLOPE_CONTEXT = 4096
+PREFILL_CHUNK = 512
 
 
 def _cpu_name() -> str:
@@ -144,23 +152,44 @@ def _rounds(max_width: int, repeats: int) -> list[list[int]]:
     return [order[rnd % max_width:] + order[: rnd % max_width] for rnd in range(repeats + 1)]
 
 
+def _prefilled(target, ids: mx.array, n_context: int, max_width: int, taps: tuple[int, ...]):
+    """A target cache holding `ids[:, :n_context]` (in chunks, as a prefill runs) and the taps
+    of every context token (None without taps). Each chunk runs to its logits, so a sharded
+    target's ranks run alike."""
+    cache, hidden = target.make_cache(reserve=max_width), []
+    for start in range(0, n_context, PREFILL_CHUNK):
+        logits, chunk = target.forward(ids[:, start : start + PREFILL_CHUNK], cache, taps, "last")
+        mx.eval(logits, chunk if chunk is not None else [], [c.state for c in cache])
+        hidden += [chunk] if chunk is not None else []
+    return cache, mx.concatenate(hidden, axis=1) if hidden else None
+
+
+def _slope_context(n_context: int, slope_context: int) -> int:
+    """The longer context, or 0 when it is not longer (no slopes then)."""
+    return slope_context if slope_context > n_context else 0
+
+
 def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONTEXT,
-                  repeats: int = DEFAULT_REPEATS, progress=None) -> Costs:
-    """Median seconds of a target forward and a drafter call for widths 1..max_width.
+                  repeats: int = DEFAULT_REPEATS, progress=None,
+                  slope_context: int = DEFAULT_SLOPE_CONTEXT) -> Costs:
+    """Median seconds of a target forward and a drafter call for widths 1..max_width, and each
+    target forward's growth per context token, from its cost after `slope_context` tokens.
 
     `progress(done, total)` is called after each round, if given. On a sharded target, every
     other rank runs `follow_measurement` meanwhile: the passes are collective.
     """
+    far = _slope_context(n_context, slope_context)
     ids = _context_ids(target, n_context, max_width)
     taps = tuple(drafter.config.target_layer_ids)
-    cache = target.make_cache(reserve=max_width)
-    _, hidden = target.forward(ids[:, :n_context], cache, taps, "last")
+    rounds = _rounds(max_width, repeats)
+    total = len(rounds) * (2 if far else 1)
+    cache, hidden = _prefilled(target, ids, n_context, max_width, taps)
     draft_cache = drafter.make_cache()
     anchor = ids[0, n_context : n_context + 1]
     mx.eval(drafter.draft_from(anchor, hidden, draft_cache, 2, 0.0).tokens)
     target_s = [[] for _ in range(max_width)]
     draft_s = [[] for _ in range(max_width)]
-    for rnd, widths in enumerate(_rounds(max_width, repeats)):
+    for rnd, widths in enumerate(rounds):
         for w in widths:
             t_target, ctx = _time_target(target, cache, taps, ids[:, n_context : n_context + w])
             t_draft = _time_drafter(drafter, draft_cache, anchor, ctx, w) if w >= 2 else 0.0
@@ -168,29 +197,67 @@ def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONT
                 target_s[w - 1].append(t_target)
                 draft_s[w - 1].append(t_draft)
         if progress is not None:
-            progress(rnd + 1, repeats + 1)
-    target = nondecreasing([statistics.median(s) for s in target_s])
+            progress(rnd + 1, total)
+    near = nondecreasing([statistics.median(s) for s in target_s])
     draft = [0.0] + nondecreasing([statistics.median(s) for s in draft_s[1:]])
-    return Costs(tuple(target), tuple(draft))
+    slope: tuple[float, ...] = ()
+    if far:
+        _stretch(cache, far)
+        done = None if progress is None else (lambda rnd: progress(len(rounds) + rnd, total))
+        far_s = _time_widths(target, cache, ids[:, n_context:], taps, rounds, done)
+        slope = tuple(nondecreasing([max(f - t, 0.0) / (far - n_context) for f, t in zip(far_s, near)]))
+    return Costs(tuple(near), tuple(draft), slope)
+
+
+def _stretch(cache: list, n_context: int) -> None:
+    """Every layer cache that holds keys and values extended to `n_context` tokens by repeating
+    what it holds: a forward's cost follows how many keys it attends over, not what they are,
+    so this stands in for a long prefill at almost no cost. Recurrent states keep their size."""
+    for c in cache:
+        kind = kind_of(c)
+        if kind.replays:
+            continue
+        while c.offset < n_context:
+            keys, values = kind.stored(c)
+            n = min(keys.shape[-2], n_context - c.offset, PREFILL_CHUNK)
+            c.update_and_fetch(keys[..., :n, :], values[..., :n, :])
+            mx.eval([c.state])
+
+
+def _time_widths(target, cache: list, tokens: mx.array, taps: tuple[int, ...], rounds: list[list[int]],
+                 done=None) -> list[float]:
+    """Median seconds (non-decreasing) of a target forward of each width over `cache`."""
+    seconds = [[] for _ in range(len(rounds[0]))]
+    for rnd, widths in enumerate(rounds):
+        for w in widths:
+            t_target, _ = _time_target(target, cache, taps, tokens[:, :w])
+            if rnd > 0:
+                seconds[w - 1].append(t_target)
+        if done is not None:
+            done(rnd + 1)
+    return nondecreasing([statistics.median(s) for s in seconds])
 
 
 def follow_measurement(target, max_width: int, n_context: int = DEFAULT_CONTEXT,
-                       repeats: int = DEFAULT_REPEATS) -> None:
+                       repeats: int = DEFAULT_REPEATS, slope_context: int = DEFAULT_SLOPE_CONTEXT) -> None:
     """A rank other than 0 of a sharded target: the same target passes as rank 0's
     `measure_costs`, in the same order (their collectives need every rank); no drafter."""
+    far = _slope_context(n_context, slope_context)
     ids = _context_ids(target, n_context, max_width)
-    cache = target.make_cache(reserve=max_width)
-    mx.eval(target.forward(ids[:, :n_context], cache, (), "last")[0])
-    for w in (w for widths in _rounds(max_width, repeats) for w in widths):
-        target.arm(cache)
-        mx.eval(target.forward(ids[:, n_context : n_context + w], cache, (), "last")[0])
-        target.commit(cache, n_fed=w, n_keep=1)
+    cache, _ = _prefilled(target, ids, n_context, max_width, ())
+    for context in (n_context, far) if far else (n_context,):
+        _stretch(cache, context)
+        for w in (w for widths in _rounds(max_width, repeats) for w in widths):
+            target.arm(cache)
+            mx.eval(target.forward(ids[:, n_context : n_context + w], cache, (), "last")[0])
+            target.commit(cache, n_fed=w, n_keep=1)
 
 
 def calibrate(target, drafter, max_width: int, key: str, machine: dict, model: dict,
               n_context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS, progress=None) -> Calibration:
     costs = measure_costs(target, drafter, max_width, n_context, repeats, progress)
-    return Calibration(key=key, costs=costs, machine=machine, model=model, n_context=n_context, repeats=repeats)
+    return Calibration(key=key, costs=costs, machine=machine, model=model, n_context=n_context, repeats=repeats,
+                       slope_context=_slope_context(n_context, DEFAULT_SLOPE_CONTEXT))
 
 
 # -- the cached calibration and the policy made from it ------------------------------------
