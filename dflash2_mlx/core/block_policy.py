@@ -36,7 +36,7 @@ DEFAULT_PROBE_EVERY = 32  # plain steps before the first speculative probe while
 MAX_PROBE_EVERY = 1024  # failed probes double the gap up to this
 # A failed probe's measured loss (in plain steps) sets the least gap before the next one, so that
 # failed probes cost at most this share of plain decoding time (a width-4 verify at 8k tokens of
-# quantized K/V costs ~3 plain steps on a CPU).
+# quantized K/V costs ~1.8 plain steps on a CPU).
 PROBE_BUDGET = 0.02
 DEFAULT_COST_EMA = 0.1
 FAST_COST_EMA = 0.5  # for a cycle over twice the predicted cost
