@@ -82,8 +82,9 @@ class Costs:
 
     def growth(self, width: int) -> float:
         """How many times faster a width-`width` forward's cost grows with the context than a
-        plain step's: the measured slopes' ratio (a CPU attends row by row, a GPU reads K/V once),
-        else the calibrated cost ratio; within [1, width], so noise in a flat slope stays bounded."""
+        plain step's: the measured slopes' ratio (on a CPU each verified row reads the context
+        again), else the calibrated cost ratio; within [1, width], so noise in a flat slope
+        stays bounded."""
         if self.slope_s and self.slope_s[0] > 0:
             ratio = self.slope_s[width - 1] / self.slope_s[0]
         else:

@@ -187,24 +187,18 @@ def measure_costs(target, drafter, max_width: int, n_context: int = DEFAULT_CONT
     draft_cache = drafter.make_cache()
     anchor = ids[0, n_context : n_context + 1]
     mx.eval(drafter.draft_from(anchor, hidden, draft_cache, 2, 0.0).tokens)
-    target_s = [[] for _ in range(max_width)]
-    draft_s = [[] for _ in range(max_width)]
-    for rnd, widths in enumerate(rounds):
-        for w in widths:
-            t_target, ctx = _time_target(target, cache, taps, ids[:, n_context : n_context + w])
-            t_draft = _time_drafter(drafter, draft_cache, anchor, ctx, w) if w >= 2 else 0.0
-            if rnd > 0:  # round 0 warms up every shape
-                target_s[w - 1].append(t_target)
-                draft_s[w - 1].append(t_draft)
-        if progress is not None:
-            progress(rnd + 1, total)
-    near = nondecreasing([statistics.median(s) for s in target_s])
-    draft = [0.0] + nondecreasing([statistics.median(s) for s in draft_s[1:]])
+    tokens = ids[:, n_context:]
+    near_s, draft_s = _time_widths(target, cache, tokens, taps, rounds,
+                                   None if progress is None else (lambda rnd: progress(rnd, total)),
+                                   lambda w, ctx: _time_drafter(drafter, draft_cache, anchor, ctx, w))
+    near = nondecreasing(near_s)
+    draft = [0.0] + nondecreasing(draft_s[1:])
     slope: tuple[float, ...] = ()
     if far:
         _stretch(cache, far)
-        done = None if progress is None else (lambda rnd: progress(len(rounds) + rnd, total))
-        far_s = _time_widths(target, cache, ids[:, n_context:], taps, rounds, done)
+        far_s, _ = _time_widths(target, cache, tokens, taps, rounds,
+                                None if progress is None else (lambda rnd: progress(len(rounds) + rnd, total)))
+        far_s = nondecreasing(far_s)
         slope = tuple(nondecreasing([max(f - t, 0.0) / (far - n_context) for f, t in zip(far_s, near)]))
     return Costs(tuple(near), tuple(draft), slope)
 
@@ -225,17 +219,22 @@ def _stretch(cache: list, n_context: int) -> None:
 
 
 def _time_widths(target, cache: list, tokens: mx.array, taps: tuple[int, ...], rounds: list[list[int]],
-                 done=None) -> list[float]:
-    """Median seconds (non-decreasing) of a target forward of each width over `cache`."""
-    seconds = [[] for _ in range(len(rounds[0]))]
+                 done=None, time_draft=None) -> tuple[list[float], list[float]]:
+    """Median seconds of a target forward of each width over `cache` and, with
+    `time_draft(width, ctx) -> seconds`, of the drafter call after it (0 at width 1 or without).
+    Round 0 warms up every shape and is not counted; `done(round)` follows each round."""
+    target_s = [[] for _ in range(len(rounds[0]))]
+    draft_s = [[] for _ in range(len(rounds[0]))]
     for rnd, widths in enumerate(rounds):
         for w in widths:
-            t_target, _ = _time_target(target, cache, taps, tokens[:, :w])
+            t_target, ctx = _time_target(target, cache, taps, tokens[:, :w])
+            t_draft = time_draft(w, ctx) if time_draft is not None and w >= 2 else 0.0
             if rnd > 0:
-                seconds[w - 1].append(t_target)
+                target_s[w - 1].append(t_target)
+                draft_s[w - 1].append(t_draft)
         if done is not None:
             done(rnd + 1)
-    return nondecreasing([statistics.median(s) for s in seconds])
+    return [statistics.median(s) for s in target_s], [statistics.median(s) for s in draft_s]
 
 
 def follow_measurement(target, max_width: int, n_context: int = DEFAULT_CONTEXT,
@@ -255,9 +254,10 @@ def follow_measurement(target, max_width: int, n_context: int = DEFAULT_CONTEXT,
 
 def calibrate(target, drafter, max_width: int, key: str, machine: dict, model: dict,
               n_context: int = DEFAULT_CONTEXT, repeats: int = DEFAULT_REPEATS, progress=None) -> Calibration:
-    costs = measure_costs(target, drafter, max_width, n_context, repeats, progress)
+    slope_context = _slope_context(n_context, DEFAULT_SLOPE_CONTEXT)
+    costs = measure_costs(target, drafter, max_width, n_context, repeats, progress, slope_context)
     return Calibration(key=key, costs=costs, machine=machine, model=model, n_context=n_context, repeats=repeats,
-                       slope_context=_slope_context(n_context, DEFAULT_SLOPE_CONTEXT))
+                       slope_context=slope_context)
 
 
 # -- the cached calibration and the policy made from it ------------------------------------
