@@ -9,6 +9,8 @@ Rules that keep the numbers honest:
 * with `repeats`, each mode prefills a prompt once and decodes it again from its own prompt
   cache, repeats interleaved in rotating order: at long context, where one prefill takes many
   minutes, decode speed then rests on several runs taken side by side, not one per mode;
+* with `turn_tokens`, every run starts from its own copy of one untimed prefill of the prompt's
+  prefix and prefills only the last tokens, as an agent's turn after a prefix-cache hit;
 * rates are pooled (total tokens / total seconds), not averages of per-prompt rates;
 * outputs whose last 64 tokens are a short repeated loop are flagged, and every speedup is
   reported with and without the prompts that looped in any mode (greedy loops accept
@@ -28,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .bench_turn import TurnPrefix, check_turn
 from .core import stats
 from .core.events import CycleStats
 from .core.generate import stream_generate
@@ -190,9 +193,14 @@ class RunRecord:
     seed: int | None = None
     loop_period: int | None = None
     matches_ar: bool | None = None
-    n_cached: int = 0  # prompt tokens its prompt cache held (a repeat): its prompt figures are not a prefill's
+    n_cached: int = 0  # prompt tokens its prompt cache held (a repeat, a turn's prefix): not prefilled here
     repeat: int = 0  # which decode of this prompt in this mode (0: the one that prefilled)
     other_caches_gb: float = 0.0  # other modes' prompt caches held during it (repeats), out of its peak
+
+    @property
+    def n_prefilled(self) -> int:
+        """Prompt tokens this run fed through the target (the rest came from a prompt cache)."""
+        return self.n_prompt_tokens - self.n_cached
 
     @property
     def decode_tps(self) -> float:
@@ -207,7 +215,7 @@ class RunRecord:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        out.update(decode_tps=self.decode_tps, tau=self.tau)
+        out.update(decode_tps=self.decode_tps, tau=self.tau, n_prefilled=self.n_prefilled)
         return out
 
 
@@ -240,9 +248,9 @@ def _mlx_lm_tokens(cache: list) -> int:
 def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParams, kv: dict,
                 cache: list | None = None) -> RunRecord:
     """The reference: `mlx_lm.stream_generate` itself on the same model, timed like our modes.
-    `cache` (from `mlx_lm_cache`) may already hold all but the prompt's last token, as
-    mlx-lm's server reuses one: then only that token is fed, and the cache is trimmed back
-    there afterwards."""
+    `cache` (from `mlx_lm_cache`) may already hold a prefix of the prompt, as mlx-lm's server
+    reuses one: then only the rest is fed, and the cache is trimmed back to all but the
+    prompt's last token afterwards (what a repeat reuses)."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate as mlx_stream_generate
     from mlx_lm.models.cache import trim_prompt_cache
@@ -254,8 +262,8 @@ def _run_mlx_lm(target, ids: list[int], max_tokens: int, sampling: SamplingParam
         mx.random.seed(sampling.seed)
     kept, cache = cache is not None, cache if cache is not None else mlx_lm_cache(target, kv)
     n_cached = _mlx_lm_tokens(cache)
-    if n_cached and n_cached != len(ids) - 1:
-        raise ValueError(f"an mlx-lm cache must be empty or hold {len(ids) - 1} tokens, holds {n_cached}")
+    if n_cached >= len(ids):
+        raise ValueError(f"an mlx-lm cache must hold a proper prefix of the {len(ids)}-token prompt, holds {n_cached}")
     tokens, text, last, t_first = [], [], None, None
     mx.reset_peak_memory()
     t0 = time.perf_counter()
@@ -371,15 +379,16 @@ def summarize(records: list[RunRecord], modes: list[str], baseline: str = "ar") 
         cycles = [c for r in runs for c in r.cycle_stats()]
         decode_tokens = sum(r.n_tokens - 1 for r in runs)
         decode_s = sum(r.decode_s for r in runs)
-        prefills = [r for r in runs if r.n_cached == 0]  # a repeat's prompt figures are one token's
-        prefill_s = sum(r.n_prompt_tokens / r.prompt_tps for r in prefills if r.prompt_tps > 0)
+        prefills = [r for r in runs if r.n_prefilled > 1]  # a repeat's prompt figures are one token's
+        prefill_s = sum(r.n_prefilled / r.prompt_tps for r in prefills if r.prompt_tps > 0)
         spec = stats.speculative(cycles)
         out[mode] = {
             "n_runs": len(runs),
             "n_prefills": len(prefills),
             "n_prompt_tokens": sum(r.n_prompt_tokens for r in prefills),
+            "n_prefilled_tokens": sum(r.n_prefilled for r in prefills),
             "n_tokens": sum(r.n_tokens for r in runs),
-            "prompt_tps": sum(r.n_prompt_tokens for r in prefills) / prefill_s if prefill_s else None,
+            "prompt_tps": sum(r.n_prefilled for r in prefills) / prefill_s if prefill_s else None,
             "ttft_s": sum(r.ttft_s for r in prefills) / len(prefills) if prefills else None,
             "decode_tps": decode_tokens / decode_s if decode_s > 0 else None,
             "e2e_tps": sum(r.n_tokens for r in runs) / sum(r.total_s for r in runs),
@@ -486,7 +495,7 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
               sampling: SamplingParams | None = None, encode: Callable[[Prompt], list[int]] | None = None,
               warmup: bool = True, on_run: Callable[[RunRecord], None] | None = None,
               cache_dir=None, isolated: bool = True, kv_bits: int | None = None,
-              kv_group_size: int | None = None, repeats: int = 1) -> BenchReport:
+              kv_group_size: int | None = None, repeats: int = 1, turn_tokens: int | None = None) -> BenchReport:
     """Decode every prompt of every suite with every mode, interleaved; see the module doc.
 
     Args:
@@ -503,6 +512,9 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
             its own prompt cache (mlx-lm's for the reference), which holds all but the
             prompt's last token, in rotating order: long prompts are prefilled once per mode,
             and decode speed is averaged over `repeats` interleaved runs.
+        turn_tokens: each run starts from a copy of a cache holding all but the prompt's last
+            `turn_tokens` tokens (prefilled once, untimed; `bench_turn`), as an agent's turn
+            after a prefix-cache hit: prefill and TTFT then measure those tokens alone.
     """
     names = [m.name for m in modes]
     if len(set(names)) != len(names):
@@ -521,7 +533,9 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
     if kv_bits is not None:
         target.make_cache(kv_bits=kv_bits, kv_group_size=kv_group_size)  # refuse a bad combination first
         kv = {"kv_bits": kv_bits, "kv_group_size": target.kv_group_size(kv_bits, kv_group_size)}
-    if repeats > 1:
+    if turn_tokens is not None:
+        check_turn(turn_tokens, [len(ids) for ids in encoded], target, modes, kv)
+    elif repeats > 1:
         _check_repeatable(target, modes, kv)
     if warmup:
         _warm_up(target, modes, encoded[0], max_tokens, sampling, cache_dir, kv)
@@ -530,17 +544,22 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
     for j, (prompt, ids) in enumerate(zip(prompts, encoded)):
         params = sampling if sampling.greedy else dataclasses.replace(sampling, seed=base_seed + j)
         order = modes[j % len(modes):] + modes[: j % len(modes)]
-        caches = {m.name: mode_cache(target, m, kv) for m in modes} if repeats > 1 else {}
+        prefix = TurnPrefix(target, modes, ids, len(ids) - turn_tokens, kv) if turn_tokens is not None else None
+        caches = {m.name: mode_cache(target, m, kv) for m in modes} if repeats > 1 and prefix is None else {}
         for r in range(repeats):
             for mode in order[r % len(order):] + order[: r % len(order)]:
-                held = sum(mode_cache_nbytes(c) for name, c in caches.items() if name != mode.name)
-                record = run_once(target, mode, ids, max_tokens, params, cache_dir, kv, caches.get(mode.name))
+                if prefix is not None:
+                    cache, held = prefix.copy_for(mode), prefix.nbytes
+                else:
+                    cache = caches.get(mode.name)
+                    held = sum(mode_cache_nbytes(c) for name, c in caches.items() if name != mode.name)
+                record = run_once(target, mode, ids, max_tokens, params, cache_dir, kv, cache)
                 record.suite, record.prompt_id, record.repeat = prompt.suite, prompt.id, r
                 record.other_caches_gb = held / 1e9
                 records.append(record)
                 if on_run is not None:
                     on_run(record)
-        del caches
+        del caches, prefix
     if sampling.greedy:
         _mark_matches(records)
     described = [m.describe() for m in modes]
@@ -551,7 +570,8 @@ def run_bench(target, modes: list[Mode], suites: list[SuitePrompts], max_tokens:
     settings = {"max_tokens": max_tokens, "sampling": sampling.to_dict(), "warmup": warmup,
                 "kv_cache_bytes_per_token": kv_bytes_per_token(target, encoded[0], kv),
                 "loop_window": LOOP_WINDOW, "loop_max_period": LOOP_MAX_PERIOD,
-                "n_prompts": len(prompts), "interleaved": True, "repeats": repeats, "kv_bits": kv.get("kv_bits"),
+                "n_prompts": len(prompts), "interleaved": True, "repeats": repeats, "turn_tokens": turn_tokens,
+                "kv_bits": kv.get("kv_bits"),
                 "kv_group_size": kv.get("kv_group_size")}
     suites_info = [{"name": s.name, "source": s.source, "available": s.available, "n": len(s.prompts)}
                    for s in suites]

@@ -275,3 +275,64 @@ def test_repeats_with_the_mlx_lm_mode_are_refused_naming_an_untrimmable_cache():
     suites = [SuitePrompts("s", [Prompt("s", "0", "hi")], "test", 1)]
     with pytest.raises(ConfigError, match="needs trimmable caches; this target has \\['ArraysCache'\\]"):
         run_bench(target, [Mode("mlx_lm", "mlx_lm"), Mode("ar", "ar")], suites, repeats=2, encode=lambda p: [1, 2])
+
+
+def test_turn_tokens_start_every_run_from_one_prefilled_prefix_and_prefill_only_the_turn(tmp_path):
+    from tiny import tiny_drafter, tiny_target
+
+    from dflash2_mlx.core.generate import generate
+
+    target = tiny_target("llama")
+    v2 = tiny_drafter(target, "dflash2", block_size=5, sliding_window=8)  # the prefix runs past its window
+    modes = [Mode("mlx_lm", "mlx_lm"), Mode("ar", "ar"), Mode("dflash2@4", "dflash2", v2, 4, drafter_path="v2"),
+             Mode("dflash2@auto", "dflash2", v2, "auto", drafter_path="v2")]
+    prompt = Prompt("long", "0", " ".join(f"w{i}" for i in range(40)))
+    ids = target.tokenizer.encode(prompt.text)
+    seen = []
+    report = run_bench(target, modes, [SuitePrompts("long", [prompt], "test", 1)], max_tokens=20,
+                       encode=lambda p: target.tokenizer.encode(p.text), on_run=seen.append, cache_dir=tmp_path,
+                       repeats=2, isolated=False, turn_tokens=7)
+    assert len(seen) == 8 and all(r.n_cached == len(ids) - 7 and r.n_prefilled == 7 for r in seen)
+    # the prefix state is the prompt's: every run equals plain decoding of the whole prompt from scratch
+    plain = generate(target, ids, max_tokens=20).tokens
+    assert all(r.tokens == plain for r in seen), [r.mode for r in seen if r.tokens != plain]
+    assert all(r.matches_ar for r in seen if r.mode != "ar" or r.repeat)
+    assert all(r.other_caches_gb > 0 for r in seen)  # the kept prefix is not the run's own memory
+    overall = report.summary()["overall"]
+    for m in modes:
+        f = overall[m.name]
+        assert f["n_prefills"] == 2 and f["n_prefilled_tokens"] == 14 and f["n_prompt_tokens"] == 2 * len(ids)
+        turn_s = sum(7 / r.prompt_tps for r in seen if r.mode == m.name)
+        assert f["prompt_tps"] == pytest.approx(14 / turn_s)
+    assert report.settings["turn_tokens"] == 7 and report.to_json()["runs"][0]["n_prefilled"] == 7
+
+
+def test_turn_tokens_refuse_a_turn_without_a_prefix_and_a_reference_on_recurrent_caches():
+    from tiny import tiny_target
+
+    suites = [SuitePrompts("s", [Prompt("s", "0", "hi")], "test", 1)]
+    target = tiny_target("llama")
+    with pytest.raises(ConfigError, match="--turn-tokens 3 leaves no cached prefix in a 3-token prompt; use at most 2"):
+        run_bench(target, [Mode("ar", "ar")], suites, turn_tokens=3, encode=lambda p: [1, 2, 3])
+    with pytest.raises(ConfigError, match="--turn-tokens must be >= 1, got 0"):
+        run_bench(target, [Mode("ar", "ar")], suites, turn_tokens=0, encode=lambda p: [1, 2, 3])
+    target = tiny_target("qwen3_5")
+    with pytest.raises(ConfigError, match="needs K/V caches in every layer; this target has \\['RecurrentCache'\\]"):
+        run_bench(target, [Mode("mlx_lm", "mlx_lm"), Mode("ar", "ar")], suites, turn_tokens=1,
+                  encode=lambda p: [1, 2, 3])
+
+
+def test_turn_tokens_on_a_recurrent_target_start_from_the_exact_prefix_state():
+    from tiny import tiny_drafter, tiny_target
+
+    from dflash2_mlx.core.generate import generate
+
+    target = tiny_target("qwen3_5")
+    v2 = tiny_drafter(target, "dflash2", block_size=4)
+    prompt = Prompt("s", "0", " ".join(f"w{i}" for i in range(30)))
+    ids = target.tokenizer.encode(prompt.text)
+    report = run_bench(target, [Mode("ar", "ar"), Mode("dflash2@4", "dflash2", v2, 4)],
+                       [SuitePrompts("s", [prompt], "test", 1)], max_tokens=12, turn_tokens=4, isolated=False,
+                       encode=lambda p: target.tokenizer.encode(p.text))
+    plain = generate(target, ids, max_tokens=12).tokens
+    assert [(r.n_prefilled, r.tokens) for r in report.records] == [(4, plain), (4, plain)]

@@ -133,3 +133,23 @@ def test_bench_context_suites_with_quantized_kv(runner, tmp_path):
     assert res.exit_code == 2 and "--context takes token counts like 4096,16384, got '4k'" in res.output
     res = runner.invoke(app, ["bench", str(target), "--repeats", "0"])
     assert res.exit_code == 2 and "--repeats" in res.output
+
+
+def test_bench_turn_tokens_with_quantized_kv(runner, tmp_path):
+    from tiny import save_tiny_pair
+
+    target, v2 = save_tiny_pair(tmp_path / "pair", block_size=4, target_overrides={"head_dim": 32})
+    out = tmp_path / "turn.json"
+    res = runner.invoke(app, ["bench", str(target), "--drafter", str(v2), "--context", "300", "--n", "1",
+                              "--max-tokens", "8", "--modes", "mlx_lm,ar,dflash2@4", "--no-warmup", "--kv-bits", "8",
+                              "--turn-tokens", "40", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "last 40 tokens after a cached prefix" in res.output
+    data = json.loads(out.read_text())
+    assert data["settings"]["turn_tokens"] == 40 and len(data["runs"]) == 3
+    assert all(r["n_prefilled"] == 40 and r["n_cached"] == r["n_prompt_tokens"] - 40 for r in data["runs"])
+    # exact under the same quantization: mlx-lm extends the same prefilled 8-bit caches
+    assert all(r["matches_ar"] for r in data["runs"] if r["mode"] != "ar")
+    res = runner.invoke(app, ["bench", str(target), "--context", "300", "--n", "1", "--modes", "ar",
+                              "--turn-tokens", "5000"])
+    assert res.exit_code == 2 and "--turn-tokens 5000 leaves no cached prefix in a" in res.output

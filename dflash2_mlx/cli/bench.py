@@ -53,6 +53,8 @@ Examples:
 
   dflash2 bench --context 16384 --n 1 --repeats 3 --modes mlx_lm,ar,dflash2@auto   # prefill once, decode 3x
 
+  dflash2 bench --context 28672 --n 1 --turn-tokens 512 --kv-bits 8 --modes mlx_lm,ar   # one agent turn
+
   dflash2 bench --calibrate               # re-measure the costs behind 'auto'
 """
 
@@ -80,6 +82,12 @@ def bench(
                                          "prefills it, the others decode again from the mode's prompt cache "
                                          "(mlx-lm's for mlx_lm), interleaved. Use with --context: the prompt is "
                                          "prefilled once per mode and decode speed averages over repeats.")] = 1,
+    turn_tokens: Annotated[Optional[int], typer.Option("--turn-tokens", min=1, metavar="K", help="An agent's "
+                                                       "turn: every run starts from a prompt cache holding all "
+                                                       "but the prompt's last K tokens (prefilled once, "
+                                                       "untimed, copied to every mode, mlx_lm's too), so "
+                                                       "prefill tok/s and TTFT measure those K tokens, e.g. "
+                                                       "--context 28672 --turn-tokens 512.")] = None,
     modes: Annotated[Optional[str], typer.Option("--modes", "-m", help="Comma-separated modes: ar, dflash, "
                                                  "dflash2, each optionally @WIDTH or @auto. [default: "
                                                  f"{DEFAULT_MODES}, skipping modes without a drafter]")] = None,
@@ -134,7 +142,8 @@ def bench(
     for note in notes:
         err.print(f"[yellow]note:[/yellow] {note}")
     kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
-    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err, kv, repeats)
+    report = _run_with_progress(lib, target, mode_list, suites, max_tokens, sampling, warmup, err, kv, repeats,
+                                turn_tokens)
     report.notes = notes
     report.settings.update(model=spec.name, target=str(spec.target), suites=[s.name for s in suites], n=n)
     render_report(report, out)
@@ -239,7 +248,8 @@ def _context_lengths(value: str | None) -> list[int]:
         raise ConfigError(f"--context takes token counts like 4096,16384, got {value!r}") from None
 
 
-def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv, repeats=1):
+def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup, console, kv, repeats=1,
+                       turn_tokens=None):
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -264,16 +274,22 @@ def _run_with_progress(lib, target, modes, suites, max_tokens, sampling, warmup,
                 console.print(run_line(record, next(done), total))
 
         return lib.run_bench(target, modes, suites, max_tokens=max_tokens, sampling=sampling, warmup=warmup,
-                             on_run=on_run, repeats=repeats, **kv)
+                             on_run=on_run, repeats=repeats, turn_tokens=turn_tokens, **kv)
 
 
 def run_line(record, done: int, total: int) -> str:
     """One finished run, for a log: prefill, TTFT, decode and τ as they stand."""
     tau = "" if record.tau is None else f", τ {record.tau:.2f}"
     return (f"run {done}/{total} {record.suite}/{record.prompt_id} {record.mode} (repeat {record.repeat}): "
-            f"{'cached prompt' if record.n_cached else 'prefill'} {record.prompt_tps:.1f} tok/s, "
+            f"{_prompt_part(record)} {record.prompt_tps:.1f} tok/s, "
             f"TTFT {record.ttft_s:.1f} s, "
             f"decode {record.decode_tps:.2f} tok/s{tau}")
+
+
+def _prompt_part(record) -> str:
+    if record.n_prefilled <= 1:
+        return "cached prompt"
+    return f"prefill of {record.n_prefilled} after {record.n_cached} cached" if record.n_cached else "prefill"
 
 
 def _calibrate(target, drafters, console, size) -> None:
@@ -380,6 +396,9 @@ def render_report(report, console) -> None:
     settings = report.settings
     kv = f"{settings['kv_bits']}-bit (groups of {settings['kv_group_size']})" if settings.get("kv_bits") else "full"
     console.print(f"target K/V: {kv}, {settings['kv_cache_bytes_per_token'] / 1024:.1f} KiB per token of context")
+    if settings.get("turn_tokens"):
+        console.print(f"each run prefilled the prompt's last {settings['turn_tokens']} tokens after a cached prefix "
+                      "(--turn-tokens): prefill tok/s and TTFT are the turn's")
     loops = report.looping_prompts()
     if loops:
         console.print(f"looping outputs (last {report.settings['loop_window']} tokens repeat): "

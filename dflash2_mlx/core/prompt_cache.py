@@ -90,6 +90,15 @@ class PromptCache:
         other.tokens = list(self.tokens)
         return other  # the mark's snapshots are shared: restoring one never writes into them
 
+    def plain_copy(self) -> "PromptCache":
+        """An independent copy for plain decoding: the target's caches alone, without the
+        drafter's context (a plain mode then starts from the state a drafter's mode reached)."""
+        other = self.clone()
+        other.drafter, other.context = None, None
+        if other._mark is not None:
+            other._mark = _Mark(other._mark.n, other._mark.target, None)
+        return other
+
     # -- ownership ------------------------------------------------------------------------
 
     def check(self, target, drafter, width: int, kv_bits: int | None, kv_group_size: int | None = None) -> None:

@@ -23,6 +23,8 @@ def load(path: str) -> dict:
 
 def rows(run: dict) -> list[dict]:
     kv = run["settings"].get("kv_bits") or "fp"
+    if run["settings"].get("turn_tokens"):  # prefill figures are the turn's last tokens (--turn-tokens)
+        kv = f"{kv}, turn of {run['settings']['turn_tokens']}"
     out = []
     for suite, modes in run["summary"]["by_suite"].items():
         context = int(suite.split("-")[-1])
@@ -41,8 +43,9 @@ def rows(run: dict) -> list[dict]:
 
 
 def _prefills(run: dict, suite: str, mode: str) -> int:
-    """Runs that prefilled (with --repeats the others decoded from a prompt cache)."""
-    return sum(1 for r in run["runs"] if r["suite"] == suite and r["mode"] == mode and not r.get("n_cached"))
+    """Runs that prefilled more than the last token (a --repeats repeat decodes from its prompt cache)."""
+    return sum(1 for r in run["runs"] if r["suite"] == suite and r["mode"] == mode
+               and r["n_prompt_tokens"] - r.get("n_cached", 0) > 1)
 
 
 def table(all_rows: list[dict]) -> str:
