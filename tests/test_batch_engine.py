@@ -239,11 +239,6 @@ def test_bad_rows_fail_with_values():
         batch.add([], 4)
     with pytest.raises(ConfigError, match=r"prompt token ids \[500\] are outside the vocab \(size 97\)"):
         batch.add([1, 500], 4)
-    wide = tiny_target("llama", head_dim=32)
-    quantized = SpeculativeBatch(wide, tiny_drafter(wide, "dflash2", block_size=4), kv_bits=8)
-    quantized.add([1, 2, 3], 4)
-    with pytest.raises(ConfigError, match=r"one row at a time \(8-bit K/V\); it has 1 already"):
-        quantized.add([1, 2, 3], 4)
     with pytest.raises(ConfigError, match="block_size must be >= 2"):
         SpeculativeBatch(target, tiny_drafter(target, "dflash2"), block_size=1)
 

@@ -278,9 +278,9 @@ def test_repeats_with_the_mlx_lm_mode_are_refused_naming_an_untrimmable_cache():
 
 
 def test_turn_tokens_start_every_run_from_one_prefilled_prefix_and_prefill_only_the_turn(tmp_path):
-    from tiny import tiny_drafter, tiny_target
-
     from dflash2_mlx.core.generate import generate
+
+    from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("llama")
     v2 = tiny_drafter(target, "dflash2", block_size=5, sliding_window=8)  # the prefix runs past its window
@@ -323,9 +323,9 @@ def test_turn_tokens_refuse_a_turn_without_a_prefix_and_a_reference_on_recurrent
 
 
 def test_turn_tokens_on_a_recurrent_target_start_from_the_exact_prefix_state():
-    from tiny import tiny_drafter, tiny_target
-
     from dflash2_mlx.core.generate import generate
+
+    from tiny import tiny_drafter, tiny_target
 
     target = tiny_target("qwen3_5")
     v2 = tiny_drafter(target, "dflash2", block_size=4)

@@ -85,8 +85,9 @@ def test_what_a_kind_cannot_do_is_refused_naming_it():
     with pytest.raises(UnsupportedCacheError, match="does not handle a RotatingKVCache"):
         kind_of(RotatingKVCache(max_size=8))
     quantized = _make("QuantizedKVCache")
-    with pytest.raises(UnsupportedCacheError, match="a QuantizedKVCache cannot join a speculative batch"):
-        kind_of(quantized).empty_batch(quantized)
+    with pytest.raises(UnsupportedCacheError, match="a QuantizedKVCache cannot give its stored keys and values "
+                                                    "unquantized"):
+        kind_of(quantized).stored(quantized)
     recurrent = _make("RecurrentCache")
     with pytest.raises(UnsupportedCacheError, match="a RecurrentCache cannot give its stored keys"):
         kind_of(recurrent).stored(recurrent)

@@ -92,10 +92,65 @@ def test_refusals_name_the_value_and_the_layer_kind():
         gemma.make_cache(kv_bits=8)
 
 
-def test_serve_refuses_quantized_kv_with_batching_and_serves_it_alone(tmp_path):
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 32)])
+def test_quantized_rows_of_a_batch_equal_plain_decoding_under_the_same_quantization(target, bits, group):
+    from test_batch_engine import LENGTHS, PROMPTS, _run
+
+    from dflash2_mlx.core import batch_cache
+    from dflash2_mlx.core.batch_engine import SpeculativeBatch
+
+    kv = dict(kv_bits=bits, kv_group_size=group)
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    for batch in (SpeculativeBatch(target, drafter, prefill_step_size=4, **kv), SpeculativeBatch(target, None, **kv)):
+        out = _run(batch, [(p, n, {}) for p, n in zip(PROMPTS, LENGTHS)])  # rows join over several steps
+        for i, (p, n) in enumerate(zip(PROMPTS, LENGTHS)):
+            assert out[i][:-1] == generate(target, p, n, **kv).tokens, i
+        assert not batch.rows and batch_cache.batch_size(batch.cache) == 0
+    ragged = [c for c in batch_cache.empty_batch(target, **kv) if hasattr(c, "quantized")]
+    assert ragged and all(c.quantized == (target.kv_group_size(bits, group), bits) for c in ragged)
+
+
+def test_quantized_rows_keeping_different_prefixes_and_packed_equal_plain_decoding(monkeypatch):
+    from test_batch_engine import LENGTHS, PROMPTS, ScriptedRows, _run
+
+    from dflash2_mlx.core import batch_engine, ragged
+    from dflash2_mlx.core.batch_engine import SpeculativeBatch
+
+    monkeypatch.setattr(ragged, "COMPACT_MIN_SLOTS", 8)  # pack holes often
+    monkeypatch.setattr(batch_engine, "COMPACT_EVERY", 2)
+    target = _target("llama")
+    plain = [generate(target, p, n, kv_bits=8).tokens for p, n in zip(PROMPTS, LENGTHS)]
+    drafter = ScriptedRows(target, [p + t + [3] * 20 for p, t in zip(PROMPTS, plain)], 5)
+    packed = []
+    compact = ragged.RaggedKVCache.compact
+    monkeypatch.setattr(ragged.RaggedKVCache, "compact", lambda self: packed.append(compact(self)) or packed[-1])
+    out = _run(SpeculativeBatch(target, drafter, prefill_step_size=64, kv_bits=8),
+               [(p, n, {}) for p, n in zip(PROMPTS, LENGTHS)], join_every=1)
+    assert [out[i][:-1] for i in range(len(PROMPTS))] == plain
+    assert any(packed)
+
+
+def test_a_quantized_rows_caches_go_back_into_its_prompt_cache_quantized(target):
+    from test_batch_engine import PROMPTS, _run
+
+    from dflash2_mlx.core.batch_engine import SpeculativeBatch
+
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    cache = PromptCache(target, drafter, reserve=8, kv_bits=8)
+    batch = SpeculativeBatch(target, drafter, kv_bits=8)
+    reply = _run(batch, [(PROMPTS[0], 20, {"prompt_cache": cache}), (PROMPTS[1], 30, {})], join_every=1)[0][:-1]
+    assert any(type(c) is QuantizedKVCache for c in cache.target_cache)
+    turn = PROMPTS[0] + reply + [44, 45]
+    warm = generate(target, turn, 12, drafter=drafter, prompt_cache=cache)
+    assert warm.cached_tokens >= len(PROMPTS[0]) + 10
+    assert warm.tokens == generate(target, turn, 12, kv_bits=8).tokens
+
+
+def test_serve_batches_quantized_kv_rows(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
+    from dflash2_mlx.core.ragged import RaggedKVCache
     from dflash2_mlx.server.cache_pool import PromptCachePool
     from dflash2_mlx.server.worker import GenerationWorker, Job
     from dflash2_mlx.session import Session
@@ -104,30 +159,36 @@ def test_serve_refuses_quantized_kv_with_batching_and_serves_it_alone(tmp_path):
     spec = SimpleNamespace(name="tiny", target="/nowhere/tiny", drafter="/nowhere/drafter", defaults={}, notes=[])
     session = Session(spec=spec, target=target, drafter=tiny_drafter(target, block_size=4), block_size=None,
                       kv_bits=8, kv_group_size=32)
-    with pytest.raises(ConfigError, match="--kv-bits 8 needs --max-batch 1 .* got --max-batch 32"):
-        create_app(session, ServerConfig())
-    assert create_app(session, ServerConfig(max_batch=1)) is not None
+    assert create_app(session, ServerConfig()) is not None
+    joined = []
+    add_rows = RaggedKVCache.add_rows
+    monkeypatch.setattr(RaggedKVCache, "add_rows",
+                        lambda self, rows: joined.append(self.quantized) or add_rows(self, rows))
 
     first = generate(target, PROMPT, max_tokens=N, kv_bits=8).tokens
     turn = PROMPT + first + USER2
+    other = [1, 60, 61, 62, 63]
 
     async def main():
-        worker = GenerationWorker(session, capacity=2, prompt_caches=PromptCachePool(session.prompt_cache, 1 << 30))
+        worker = GenerationWorker(session, capacity=4, max_batch=4,
+                                  prompt_caches=PromptCachePool(session.prompt_cache, 1 << 30))
         worker.start()
         out = []
-        for prompt in (PROMPT, turn):  # the second turn reuses the first's quantized entry
-            job = Job(list(prompt), SamplingParams(), N, [], asyncio.get_running_loop())
-            worker.submit(job)
-            events = [e async for e in job.events()]
-            out.append(([t for e in events for t in e.tokens], job.stats.cached_tokens))
+        for prompts in ([PROMPT, other], [turn, other]):  # two rows at once; the turn reuses its quantized entry
+            jobs = [Job(list(p), SamplingParams(), N, [], asyncio.get_running_loop()) for p in prompts]
+            for job in jobs:
+                worker.submit(job)
+            for job in jobs:
+                events = [e async for e in job.events()]
+                out.append(([t for e in events for t in e.tokens], job.stats.cached_tokens))
         worker.close()
         return out
 
-    (a, _), (b, cached) = asyncio.run(main())
-    assert a == first and b == generate(target, turn, max_tokens=N, kv_bits=8).tokens
+    (a, _), (b, _), (c, cached), (d, _) = asyncio.run(main())
+    assert a == first and c == generate(target, turn, max_tokens=N, kv_bits=8).tokens
+    assert b == d == generate(target, other, max_tokens=N, kv_bits=8).tokens
     assert cached >= len(PROMPT)
-    result = CliRunner().invoke(app, ["serve", str(tmp_path), "--kv-bits", "8"])
-    assert result.exit_code == 2 and "--kv-bits 8 needs --max-batch 1" in result.stderr
+    assert (32, 8) in joined  # the rows decoded together, quantized
 
 
 def test_run_cli_decodes_with_quantized_kv(tmp_path):
@@ -145,3 +206,17 @@ def test_run_cli_decodes_with_quantized_kv(tmp_path):
     assert spec["token_ids"] == json.loads(plain.stdout)["token_ids"]
     bad = CliRunner().invoke(app, args[:-1] + ["--kv-group-size", "48"])
     assert bad.exit_code == 2 and "kv_group_size must be 32, 64 or 128" in bad.stderr
+
+
+def test_a_quantized_batch_refuses_a_full_precision_row_and_a_window():
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from dflash2_mlx.core.ragged import RaggedKVCache
+
+    row = KVCache()
+    row.update_and_fetch(mx.ones((1, 1, 3, 32)), mx.ones((1, 1, 3, 32)))
+    with pytest.raises(ValueError, match="a row with full-precision K/V cannot join a batch of quantized K/V"):
+        RaggedKVCache(quantized=(32, 8)).add_rows([(*row.state, mx.arange(3)[None], 3)])
+    with pytest.raises(ValueError, match="a sliding-window layer \\(window 8\\) cannot hold quantized K/V"):
+        RaggedKVCache(window=8, quantized=(32, 8))

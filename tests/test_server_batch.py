@@ -169,7 +169,7 @@ def test_a_target_the_batch_cannot_hold_serves_one_at_a_time(monkeypatch, caplog
     from dflash2_mlx.core import batch_cache
     from dflash2_mlx.errors import UnsupportedCacheError
 
-    def refuse(target):
+    def refuse(target, *kv):
         raise UnsupportedCacheError("layer 0: a ChunkedKVCache cannot join a speculative batch")
 
     monkeypatch.setattr(batch_cache, "empty_batch", refuse)

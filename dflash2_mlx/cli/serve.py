@@ -152,7 +152,6 @@ def serve(
     from ..paths import parse_bytes
     from ..server import ServerConfig
     from ..server import serve as run_server
-    from ..server.app import check_kv_batching
     from ..server.dispatch import served_name
     from ..session import Session
 
@@ -167,7 +166,6 @@ def serve(
     if api_key is not None and os.environ.get("DFLASH2_API_KEY") != api_key:
         typer.echo("warning: --api-key on the command line is visible to every user of this machine (ps, "
                    "shell history); set DFLASH2_API_KEY instead", err=True)
-    check_kv_batching(kv_bits, max_batch)  # before the model loads
     session = Session.open(model, drafter=drafter, draft_bits=draft_bits, block_size=block_size,
                            progress=not json_out, kv_bits=kv_bits, kv_group_size=kv_group_size, shard=shard)
     if session.lockstep is not None:

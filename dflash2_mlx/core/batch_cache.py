@@ -12,10 +12,11 @@ from ..errors import UnsupportedCacheError
 from .cache_kinds import kind_of
 
 
-def empty_batch(target) -> list:
-    """Batched caches with no rows, one per layer of `target` (kinds as `Target.make_cache`)."""
+def empty_batch(target, kv_bits: int | None = None, kv_group_size: int | None = None) -> list:
+    """Batched caches with no rows, one per layer of `target` (kinds as `Target.make_cache`;
+    `kv_bits` quantizes the K/V layers as it does)."""
     out = []
-    for i, c in enumerate(target.make_cache(reserve=1)):
+    for i, c in enumerate(target.make_cache(reserve=1, kv_bits=kv_bits, kv_group_size=kv_group_size)):
         try:
             out.append(kind_of(c).empty_batch(c))
         except UnsupportedCacheError as e:

@@ -100,8 +100,8 @@ class SpeculativeBatch:
         prefill_step_size: prompt tokens prefilled per `step` for a joining row.
         fast_greedy: plain steps of bare greedy rows take one argmax over the batch (False:
             each row's own `_choose`, the slow twin the tests compare).
-        kv_bits, kv_group_size: quantized full-attention K/V (mlx-lm's `QuantizedKVCache`),
-            one row at a time: batched rows do not quantize.
+        kv_bits, kv_group_size: quantized full-attention K/V (mlx-lm's `QuantizedKVCache`; in
+            the batch, quantized `RaggedKVCache` rows that hold the same groups).
         overlap: a row alone builds its verify graph while its drafts compute (default: on GPU
             backends; on the CPU backend host work and kernels share the same cores).
         pipelined: a row alone queues its next plain step before reading the last token back,
@@ -126,7 +126,7 @@ class SpeculativeBatch:
         self.kv = {"kv_bits": kv_bits, "kv_group_size": kv_group_size}
         self.overlap = overlap if overlap is not None else mx.default_device() == mx.gpu
         self.pipelined, self.lockstep = pipelined, lockstep
-        self.cache = batch_cache.empty_batch(target)
+        self.cache = batch_cache.empty_batch(target, **self.kv)
         self.rows: list[_Row] = []  # decoding, in the order of the batch's rows
         self.joining: collections.deque[_Row] = collections.deque()  # prompts being prefilled
         self.ready: list[_Row] = []  # prefilled, waiting for the row alone to finish a queued step
@@ -139,8 +139,8 @@ class SpeculativeBatch:
 
     @property
     def one_row(self) -> bool:
-        """Whether rows decode one at a time: quantized K/V, or a target sharded over processes."""
-        return self.kv["kv_bits"] is not None or self.lockstep is not None
+        """Whether rows decode one at a time: a target sharded over processes."""
+        return self.lockstep is not None
 
     def __len__(self) -> int:
         return len(self.rows) + len(self.joining) + len(self.ready)
@@ -159,8 +159,8 @@ class SpeculativeBatch:
         reaches exactly and gets the row's caches back when it ends. `on_prefill(n_done,
         n_total)` runs before each prompt chunk; a False return cancels the row quietly."""
         if self.one_row and len(self):
-            raise ConfigError(f"this decoder runs one row at a time ({self._one_row_why()}); "
-                              f"it has {len(self)} already")
+            raise ConfigError(f"this decoder runs one row at a time (a target sharded over {self.lockstep.size} "
+                              f"ranks); it has {len(self)} already")
         params = sampling or SamplingParams()
         ids = list(prompt_ids)
         run, n_cached, mark = start_run(self.target, self.drafter, ids, max_tokens, self.max_width, params,
@@ -175,11 +175,6 @@ class SpeculativeBatch:
                    on_prefill)
         self.joining.append(row)
         return row.id
-
-    def _one_row_why(self) -> str:
-        if self.lockstep is not None:
-            return f"a target sharded over {self.lockstep.size} ranks"
-        return f"{self.kv['kv_bits']}-bit K/V"
 
     def _hold_wired(self) -> None:
         """Raise the wired-memory limit while any row exists, as a single stream does for its
@@ -235,7 +230,7 @@ class SpeculativeBatch:
         run.target_cache = batch_cache.row_cache(self.cache, 0, max(self.max_width, pc.reserve if pc else 0))
         if pc is not None:
             pc.target_cache = run.target_cache  # the same objects, as a single stream shares them
-        self.cache = batch_cache.empty_batch(self.target)
+        self.cache = batch_cache.empty_batch(self.target, **self.kv)
 
     def _settle(self) -> None:
         """Rows whose prefill is done start decoding: alone on their native caches when no

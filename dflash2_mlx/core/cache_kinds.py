@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from ..errors import UnsupportedCacheError
 from .caches import RecurrentCache, WindowKVCache
-from .ragged import RaggedKVCache
+from .ragged import RaggedKVCache, each, parts
 
 
 class CacheKind(Protocol):
@@ -208,10 +208,14 @@ class _Quantized(_KV):
         cache.offset = meta["offset"]
 
     def empty_batch(self, cache):
-        self._refuse("join a speculative batch")
+        if type(cache) is not QuantizedKVCache:
+            self._refuse_subclass(cache)
+        return RaggedKVCache(quantized=(cache.group_size, cache.bits))
 
     def rows(self, cache):
-        self._refuse("join a speculative batch")
+        if type(cache) is not QuantizedKVCache:
+            self._refuse_subclass(cache)
+        return _single_rows(cache, 0, cache.offset)
 
 
 class _Window(_KV):
@@ -357,13 +361,15 @@ class _Ragged(_Kind):
 
 
 def _single_rows(cache, first: int, n: int) -> tuple[mx.array, mx.array, mx.array, int]:
-    """(keys, values, positions, length) of a single-row cache's `n` stored rows from `first`."""
+    """(keys, values, positions, length) of a single-row cache's `n` stored rows from `first`
+    (quantized keys and values as (data, scales, biases) tuples)."""
     if cache.keys is None or n == 0:
         raise ValueError("a row joins the batch after its prompt was prefilled (its cache is empty)")
-    if cache.keys.shape[0] != 1:
-        raise ValueError(f"a batch takes single-row caches, got a batch of {cache.keys.shape[0]}")
+    if (rows := parts(cache.keys)[0].shape[0]) != 1:
+        raise ValueError(f"a batch takes single-row caches, got a batch of {rows}")
     pos = mx.arange(first, first + n, dtype=mx.int32)[None]
-    return cache.keys[..., :n, :], cache.values[..., :n, :], pos, cache.offset
+    keys, values = (each(lambda a: a[..., :n, :], x) for x in (cache.keys, cache.values))
+    return keys, values, pos, cache.offset
 
 
 # Subclasses first: RecurrentCache is an ArraysCache, and KVCache subclasses trim as it does.

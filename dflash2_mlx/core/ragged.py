@@ -8,6 +8,11 @@ attention mask is built from the positions, and RoPE reads each row's own length
 slots accumulate (a row that kept fewer tokens than its neighbours leaves holes);
 `compact` packs them away, and for a sliding-window layer also the slots no query can see.
 
+With `quantized` (group size, bits) the slots hold mlx-lm's quantized (data, scales, biases)
+groups, stored as a `QuantizedKVCache` stores them, and a read hands the layer their float
+copy (`kv_attention.unpack_groups`), as `FloatReadView` does for a single row: a batched row
+then computes what it computes alone.
+
 Recurrent layers keep their batched `RecurrentCache` (per-row state); `commit_rows` replays
 each row's kept prefix (`recurrent.replay_layers` with per-row counts).
 
@@ -19,9 +24,10 @@ engine cache (for the prompt cache). The whole model's batched caches: `batch_ca
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, _BaseCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache
 
 from .caches import WindowKVCache
+from .kv_attention import unpack_groups
 
 COMPACT_MIN_SLOTS = 64  # below this many slots holes cost less than packing them
 # Slots kept past a window when packing, so that a row leaving the batch can still drop its last
@@ -30,17 +36,22 @@ WINDOW_SPARE = 64
 
 
 class RaggedKVCache(_BaseCache):
-    """Batched K/V with an absolute position per slot; `window` for sliding-window layers.
+    """Batched K/V with an absolute position per slot; `window` for sliding-window layers,
+    `quantized` (group size, bits) for quantized K/V.
 
-    keys/values [B, H, S, D]; `pos` [B, S] int32 (-1: empty); `lengths` [B] int32, the next
+    keys/values [B, H, S, D], or with `quantized` tuples of mlx-lm's (data, scales, biases),
+    each [B, H, S, ...]; `pos` [B, S] int32 (-1: empty); `lengths` [B] int32, the next
     position of each row (RoPE's offset). After `update_and_fetch` of N tokens, `lengths`
     includes them until `commit` keeps each row's prefix.
     """
 
     step = 256
 
-    def __init__(self, window: int | None = None, spare: int = WINDOW_SPARE):
-        self.window, self.spare = window, spare
+    def __init__(self, window: int | None = None, spare: int = WINDOW_SPARE,
+                 quantized: tuple[int, int] | None = None):
+        if window is not None and quantized is not None:
+            raise ValueError(f"a sliding-window layer (window {window}) cannot hold quantized K/V")
+        self.window, self.spare, self.quantized = window, spare, quantized
         self.keys = self.values = None
         self.pos = mx.zeros((0, 0), mx.int32)
         self.lengths = mx.zeros((0,), mx.int32)
@@ -72,26 +83,42 @@ class RaggedKVCache(_BaseCache):
         return mask[:, None]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        B, n_kv, N, _ = keys.shape
+        N = keys.shape[2]
+        if self.quantized is not None:  # stored as QuantizedKVCache.update_and_fetch stores them
+            group, bits = self.quantized
+            keys = tuple(mx.quantize(keys, group_size=group, bits=bits))
+            values = tuple(mx.quantize(values, group_size=group, bits=bits))
         start = self.n_slots
-        if self.keys is None or start + N > self.keys.shape[2]:
+        if self.keys is None or start + N > parts(self.keys)[0].shape[2]:
             self._grow(keys, values, start + N)
-        self.keys[..., start : start + N, :] = keys
-        self.values[..., start : start + N, :] = values
+        for stored, new in zip(parts(self.keys) + parts(self.values), parts(keys) + parts(values)):
+            stored[..., start : start + N, :] = new
         self.pos[:, start : start + N] = self._new_positions(N)
         self.n_slots = start + N
         self.lengths = self.lengths + N
-        return self.keys[..., : self.n_slots, :], self.values[..., : self.n_slots, :]
+        return self._read(self.keys), self._read(self.values)
 
-    def _grow(self, keys: mx.array, values: mx.array, needed: int) -> None:
+    def _read(self, stored):
+        """The filled slots as the layer attends to them: float, dequantized where stored quantized."""
+        live = each(lambda a: a[..., : self.n_slots, :], stored)
+        if self.quantized is None:
+            return live
+        group, bits = self.quantized
+        read = unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
+        return read(*live, group_size=group, bits=bits)
+
+    def _grow(self, keys, values, needed: int) -> None:
         size = (needed + self.step - 1) // self.step * self.step
-        B, n_kv, _, d_k = keys.shape
-        new_k = mx.zeros((B, n_kv, size, d_k), keys.dtype)
-        new_v = mx.zeros((B, n_kv, size, values.shape[3]), values.dtype)
-        new_pos = mx.full((B, size), -1, mx.int32)
+
+        def fresh(a: mx.array) -> mx.array:
+            return mx.zeros((a.shape[0], a.shape[1], size, a.shape[3]), a.dtype)
+
+        new_k, new_v = each(fresh, keys), each(fresh, values)
+        new_pos = mx.full((parts(keys)[0].shape[0], size), -1, mx.int32)
         if self.keys is not None and self.n_slots:
             n = self.n_slots
-            new_k[..., :n, :], new_v[..., :n, :] = self.keys[..., :n, :], self.values[..., :n, :]
+            for new, old in zip(parts(new_k) + parts(new_v), parts(self.keys) + parts(self.values)):
+                new[..., :n, :] = old[..., :n, :]
             new_pos[:, :n] = self.pos[:, :n]
         self.keys, self.values, self.pos = new_k, new_v, new_pos
 
@@ -123,53 +150,62 @@ class RaggedKVCache(_BaseCache):
         slot = mx.arange(self.n_slots, dtype=mx.int32)[None]
         order = mx.argsort(mx.where(live, slot, slot + self.n_slots), axis=1)[:, :n_live]
         take = order[:, None, :, None]
-        self.keys = mx.take_along_axis(self.keys[..., : self.n_slots, :], take, axis=2)
-        self.values = mx.take_along_axis(self.values[..., : self.n_slots, :], take, axis=2)
+        n = self.n_slots
+        self.keys, self.values = (each(lambda a: mx.take_along_axis(a[..., :n, :], take, axis=2), stored)
+                                  for stored in (self.keys, self.values))
         self.pos = mx.where(mx.take_along_axis(live, order, axis=1), mx.take_along_axis(pos, order, axis=1), -1)
         self.n_slots = n_live
         return True
 
     # -- rows in and out -------------------------------------------------------------------
 
-    def add_rows(self, parts: list[tuple[mx.array, mx.array, mx.array, int]]) -> None:
+    def add_rows(self, rows: list[tuple]) -> None:
         """Append rows given as (keys [1, H, n, D], values, positions [1, n], length), each a
-        single-row cache's stored rows oldest first (`CacheKind.rows`)."""
-        width = max([self.n_slots] + [k.shape[2] for k, _, _, _ in parts])
-        keys, values, pos = ([] for _ in range(3))
+        single-row cache's stored rows oldest first (`CacheKind.rows`); with `quantized`, keys
+        and values are (data, scales, biases) tuples."""
+        for k, *_ in rows:
+            if isinstance(k, tuple) != (self.quantized is not None):
+                raise ValueError(f"a row with {'quantized' if isinstance(k, tuple) else 'full-precision'} K/V "
+                                 f"cannot join a batch of {'quantized' if self.quantized else 'full-precision'} K/V")
+        width = max([self.n_slots] + [parts(k)[0].shape[2] for k, *_ in rows])
         mine = []
         if self.batch_size and self.keys is not None:
             n = self.n_slots
-            mine = [(self.keys[..., :n, :], self.values[..., :n, :], self.pos[:, :n], 0)]
-        for k, v, p, _ in mine + parts:
-            pad = width - k.shape[2]
+            mine = [(each(lambda a: a[..., :n, :], self.keys), each(lambda a: a[..., :n, :], self.values),
+                     self.pos[:, :n], 0)]
+        keys, values, pos = [], [], []
+        for k, v, p, _ in mine + rows:
+            pad = width - parts(k)[0].shape[2]
             if pad:
-                k = mx.pad(k, [(0, 0), (0, 0), (0, pad), (0, 0)])
-                v = mx.pad(v, [(0, 0), (0, 0), (0, pad), (0, 0)])
+                k, v = (each(lambda a: mx.pad(a, [(0, 0), (0, 0), (0, pad), (0, 0)]), x) for x in (k, v))
                 p = mx.pad(p, [(0, 0), (0, pad)], constant_values=-1)
             keys.append(k), values.append(v), pos.append(p)
-        self.keys, self.values = mx.concatenate(keys), mx.concatenate(values)
+        self.keys, self.values = _concatenate(keys), _concatenate(values)
         self.pos = mx.concatenate(pos)
-        self.lengths = mx.concatenate([self.lengths, mx.array([length for *_, length in parts], mx.int32)])
+        self.lengths = mx.concatenate([self.lengths, mx.array([length for *_, length in rows], mx.int32)])
         self.n_slots = width
 
     def keep_rows(self, rows: list[int]) -> None:
         idx = mx.array(rows, mx.int32)
         if self.keys is not None:
-            self.keys, self.values = self.keys[idx], self.values[idx]
+            self.keys, self.values = each(lambda a: a[idx], self.keys), each(lambda a: a[idx], self.values)
         self.pos, self.lengths = self.pos[idx], self.lengths[idx]
         if not rows:
             self.keys = self.values = None
             self.n_slots = 0
 
     def row_cache(self, row: int, reserve: int):
-        """Row `row` as a single-row engine cache (`KVCache`, or `WindowKVCache` for a window)."""
+        """Row `row` as a single-row engine cache (`KVCache`, `WindowKVCache` for a window,
+        `QuantizedKVCache` for quantized K/V)."""
         pos = self.pos[row, : self.n_slots]
         n = int((pos >= 0).sum().item())
         order = mx.argsort(mx.where(pos >= 0, pos, pos.max() + 1 + mx.arange(self.n_slots)))[:n]
-        k = self.keys[row : row + 1, :, order]
-        v = self.values[row : row + 1, :, order]
-        mx.eval(k, v)  # gathered now: a lazy gather would keep the whole batch's buffers alive
-        out = KVCache() if self.window is None else WindowKVCache(self.window, reserve)
+        k, v = (each(lambda a: a[row : row + 1, :, order], x) for x in (self.keys, self.values))
+        mx.eval(parts(k), parts(v))  # gathered now: a lazy gather would keep the whole batch's buffers alive
+        if self.quantized is not None:
+            out = QuantizedKVCache(*self.quantized)
+        else:
+            out = KVCache() if self.window is None else WindowKVCache(self.window, reserve)
         out.keys, out.values, out.offset = k, v, int(self.lengths[row].item())
         if self.window is not None:
             out.n_stored = n
@@ -189,4 +225,22 @@ class RaggedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return 0 if self.keys is None else sum(a.nbytes for a in parts(self.keys) + parts(self.values))
+
+
+def parts(stored) -> tuple:
+    """A layer's stored keys (or values) as a tuple of arrays: one float array, or mlx-lm's
+    quantized (data, scales, biases)."""
+    return stored if isinstance(stored, tuple) else (stored,)
+
+
+def each(f, stored):
+    """`f` applied to every array of `stored`, in its own form (an array or a tuple)."""
+    return tuple(f(a) for a in stored) if isinstance(stored, tuple) else f(stored)
+
+
+def _concatenate(rows: list):
+    """Rows' keys (or values) stacked along the batch axis, part by part."""
+    if not isinstance(rows[0], tuple):
+        return mx.concatenate(rows)
+    return tuple(mx.concatenate([r[i] for r in rows]) for i in range(len(rows[0])))

@@ -100,14 +100,6 @@ def _customize_openapi(app: FastAPI, model_name: str, max_tokens_cap: int, vocab
     app.openapi = openapi
 
 
-def check_kv_batching(kv_bits: int | None, max_batch: int) -> None:
-    """Quantized K/V serves one request at a time: the speculative batch's ragged rows keep
-    their K/V in full precision, so a row could not move into it exactly."""
-    if kv_bits is not None and max_batch > 1:
-        raise ConfigError(f"--kv-bits {kv_bits} needs --max-batch 1 (batched rows keep full-precision K/V), "
-                          f"got --max-batch {max_batch}")
-
-
 def check_sharded(lockstep, config: ServerConfig) -> None:
     """A target sharded over processes serves one request at a time, every rank decoding it,
     without a prefix cache (the ranks' caches would have to agree on every entry)."""
@@ -125,7 +117,6 @@ def create_app(session, config: ServerConfig | None = None, aliases=()) -> FastA
         aliases: more names the request `model` field may use for this pair.
     """
     config = config or ServerConfig()
-    check_kv_batching(getattr(session, "kv_bits", None), config.max_batch)
     check_sharded(getattr(session, "lockstep", None), config)
     state = make_state(session, config, aliases)
 

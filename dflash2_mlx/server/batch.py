@@ -39,7 +39,8 @@ def batch_policy(session):
 class BatchRun:
     """Jobs on one decoder: `add` a job, `step` once per worker turn, `remove` a cancelled one.
     `shared` makes the batch the batchable jobs join; `solo` a decoder of one job that decodes
-    on its own (seeded, quantized K/V, a sharded target, or `--max-batch 1`)."""
+    on its own (seeded, a sharded target, or `--max-batch 1`); both hold the session's K/V
+    quantization."""
 
     def __init__(self, engine: SpeculativeBatch):
         self.engine = engine
@@ -49,7 +50,8 @@ class BatchRun:
     @classmethod
     def shared(cls, session, prefill_chunk: int, policy=None) -> BatchRun:
         return cls(SpeculativeBatch(session.target, session.drafter, block_size=session.width, policy=policy,
-                                    prefill_step_size=prefill_chunk))
+                                    prefill_step_size=prefill_chunk, kv_bits=session.kv_bits,
+                                    kv_group_size=session.kv_group_size))
 
     @classmethod
     def solo(cls, session, job, prefill_chunk: int, cache=None) -> BatchRun:

@@ -257,7 +257,7 @@ class GenerationWorker:
         from ..errors import UnsupportedCacheError
 
         try:
-            empty_batch(self.session.target)
+            empty_batch(self.session.target, self.session.kv_bits, self.session.kv_group_size)
         except UnsupportedCacheError as e:
             log.warning("batching is off (--max-batch 1): %s", e)
             return False
