@@ -22,7 +22,7 @@ def load(path: str) -> dict:
 
 
 def rows(run: dict) -> list[dict]:
-    kv = run["settings"].get("kv_bits") or "fp"
+    kv = kv_bits = run["settings"].get("kv_bits") or "fp"
     if run["settings"].get("turn_tokens"):  # prefill figures are the turn's last tokens (--turn-tokens)
         kv = f"{kv}, turn of {run['settings']['turn_tokens']}"
     out = []
@@ -31,7 +31,8 @@ def rows(run: dict) -> list[dict]:
         ref, plain = modes.get("mlx_lm"), modes.get("ar")
         for mode, m in modes.items():
             out.append({
-                "kv": kv, "context": context, "mode": mode, "prompt_tokens": m["n_prompt_tokens"] // _prefills(run, suite, mode),
+                "kv": kv, "kv_bits": kv_bits, "context": context, "mode": mode,
+                "prompt_tokens": m["n_prompt_tokens"] // _prefills(run, suite, mode),
                 "prefill_tps": m["prompt_tps"], "ttft_s": m["ttft_s"], "decode_tps": m["decode_tps"],
                 "tau": m["tau"], "peak_gb": m["peak_memory_gb"], "mismatch_vs_ar": m["n_mismatch_vs_ar"],
                 "decode_x_mlx_lm": m["decode_tps"] / ref["decode_tps"] if ref else None,
@@ -68,12 +69,13 @@ def plot(all_rows: list[dict], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key in sorted({(str(r["kv"]), r["mode"]) for r in all_rows}):
-        pts = sorted((r["prompt_tokens"], r["decode_tps"]) for r in all_rows if (str(r["kv"]), r["mode"]) == key)
+    # a --turn-tokens run decodes at the full context like any other: one line per mode and K/V bits
+    for key in sorted({(str(r["kv_bits"]), r["mode"]) for r in all_rows}):
+        pts = sorted((r["prompt_tokens"], r["decode_tps"]) for r in all_rows if (str(r["kv_bits"]), r["mode"]) == key)
         ax.plot(*zip(*pts), marker="o", label=f"{key[1]} (K/V {key[0]})")
     ax.set_xlabel("prompt tokens")
     ax.set_ylabel("decode tok/s")
-    ax.set_title("Decode speed against context (one process per K/V setting, modes interleaved)")
+    ax.set_title("Decode speed against context (modes interleaved within each run)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
