@@ -110,6 +110,34 @@ def test_quantized_rows_of_a_batch_equal_plain_decoding_under_the_same_quantizat
     assert ragged and all(c.quantized == (target.kv_group_size(bits, group), bits) for c in ragged)
 
 
+def test_batched_rows_read_quantized_k_v_as_a_row_alone_does_under_the_gpu_rule(monkeypatch):
+    """Off the CPU a short pass reads the groups through mlx-lm's quantized attention (no float
+    copy); run here with that rule, batched rows must take the same path and equal plain decoding."""
+    from mlx_lm.models import base
+    from test_batch_engine import LENGTHS, PROMPTS, _run
+
+    from dflash2_mlx.core import kv_attention
+    from dflash2_mlx.core.batch_engine import SpeculativeBatch
+
+    monkeypatch.setattr(kv_attention, "float_reads", lambda n, device=None: n >= kv_attention.LONG_PASS)
+    batched = []
+    quantized_attention = base.quantized_scaled_dot_product_attention
+
+    def spy(queries, *args, **kwargs):
+        batched.append(queries.shape[0] > 1)
+        return quantized_attention(queries, *args, **kwargs)
+
+    monkeypatch.setattr(base, "quantized_scaled_dot_product_attention", spy)
+    target = _target("qwen3")
+    plain = [generate(target, p, n, kv_bits=8).tokens for p, n in zip(PROMPTS, LENGTHS)]
+    assert batched and not any(batched)  # a row alone took the quantized path
+    drafter = tiny_drafter(target, "dflash2", block_size=4)
+    out = _run(SpeculativeBatch(target, drafter, prefill_step_size=4, kv_bits=8),
+               [(p, n, {}) for p, n in zip(PROMPTS, LENGTHS)], join_every=1)
+    assert [out[i][:-1] for i in range(len(PROMPTS))] == plain
+    assert any(batched)  # and so did the batch's rows
+
+
 def test_quantized_rows_keeping_different_prefixes_and_packed_equal_plain_decoding(monkeypatch):
     from test_batch_engine import LENGTHS, PROMPTS, ScriptedRows, _run
 

@@ -9,9 +9,10 @@ slots accumulate (a row that kept fewer tokens than its neighbours leaves holes)
 `compact` packs them away, and for a sliding-window layer also the slots no query can see.
 
 With `quantized` (group size, bits) the slots hold mlx-lm's quantized (data, scales, biases)
-groups, stored as a `QuantizedKVCache` stores them, and a read hands the layer their float
-copy (`kv_attention.unpack_groups`), as `FloatReadView` does for a single row: a batched row
-then computes what it computes alone.
+groups, stored as a `QuantizedKVCache` stores them. A pass reads them as a single row's would
+(`kv_attention.float_reads`): their float copy (`unpack_groups`) as `FloatReadView` gives it, or,
+for a short pass off the CPU, the groups themselves with `bits` set, so that mlx-lm's attention
+takes its quantized path. A batched row then computes what it computes alone.
 
 Recurrent layers keep their batched `RecurrentCache` (per-row state); `commit_rows` replays
 each row's kept prefix (`recurrent.replay_layers` with per-row counts).
@@ -26,8 +27,8 @@ from __future__ import annotations
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, _BaseCache
 
+from . import kv_attention
 from .caches import WindowKVCache
-from .kv_attention import unpack_groups
 
 COMPACT_MIN_SLOTS = 64  # below this many slots holes cost less than packing them
 # Slots kept past a window when packing, so that a row leaving the batch can still drop its last
@@ -52,6 +53,7 @@ class RaggedKVCache(_BaseCache):
         if window is not None and quantized is not None:
             raise ValueError(f"a sliding-window layer (window {window}) cannot hold quantized K/V")
         self.window, self.spare, self.quantized = window, spare, quantized
+        self.quantized_read = False  # whether the last pass reads the groups themselves (see `bits`)
         self.keys = self.values = None
         self.pos = mx.zeros((0, 0), mx.int32)
         self.lengths = mx.zeros((0,), mx.int32)
@@ -96,16 +98,32 @@ class RaggedKVCache(_BaseCache):
         self.pos[:, start : start + N] = self._new_positions(N)
         self.n_slots = start + N
         self.lengths = self.lengths + N
+        self.quantized_read = self.quantized is not None and not kv_attention.float_reads(N)
         return self._read(self.keys), self._read(self.values)
 
     def _read(self, stored):
-        """The filled slots as the layer attends to them: float, dequantized where stored quantized."""
+        """The filled slots as the layer attends to them: float, dequantized where stored quantized
+        unless this pass reads the groups themselves."""
         live = each(lambda a: a[..., : self.n_slots, :], stored)
-        if self.quantized is None:
+        if self.quantized is None or self.quantized_read:
             return live
         group, bits = self.quantized
-        read = unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
+        read = kv_attention.unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
         return read(*live, group_size=group, bits=bits)
+
+    # mlx-lm's `scaled_dot_product_attention` takes its quantized path by `hasattr(cache, "bits")`:
+    # present only for a pass that reads the groups themselves, as for a lone `QuantizedKVCache`
+    @property
+    def bits(self) -> int:
+        if not self.quantized_read:
+            raise AttributeError("bits: this pass reads float K/V")
+        return self.quantized[1]
+
+    @property
+    def group_size(self) -> int:
+        if not self.quantized_read:
+            raise AttributeError("group_size: this pass reads float K/V")
+        return self.quantized[0]
 
     def _grow(self, keys, values, needed: int) -> None:
         size = (needed + self.step - 1) // self.step * self.step
