@@ -10,6 +10,11 @@ decode `--max-tokens` each in every mode, modes interleaved per level after a wa
 * `ours DFlash 2 @W`: every cycle at width W (`--width`);
 * `ours auto`: the width chosen per cycle by `BatchWidthPolicy` from this machine's calibration.
 
+With `--kv-bits 8` every mode stores quantized K/V from the first token (mlx-lm's
+`QuantizedKVCache` for the reference, quantized rows for ours) and `mlx-lm BatchGenerator`,
+whose batched caches stay in full precision, is left out: the reference is then
+`mlx_lm.stream_generate` x B.
+
 Aggregate decode tok/s = tokens after each row's first / the time from the last row's first
 token to the end (prefill excluded: every mode prefills the same prompts); "with prefill" =
 all tokens / the whole time from the rows' arrival (all at once) to the end. Every row of every
@@ -39,16 +44,17 @@ def held_out(n: int, encode) -> list[list[int]]:
     return [encode(t) for t in texts[:n]]
 
 
-def mlx_single(session, prompts, n):
+def mlx_single(session, prompts, n, kv=None):
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
-    from mlx_lm.models.cache import make_prompt_cache
+
+    from dflash2_mlx.bench import mlx_lm_cache
 
     rows, decode_s, t0 = [], 0.0, time.perf_counter()
     for ids in prompts:
         tokens, t_first = [], None
         for r in stream_generate(session.target.model, session.target.tokenizer, mx.array(ids), max_tokens=n,
-                                 prompt_cache=make_prompt_cache(session.target.model)):
+                                 prompt_cache=mlx_lm_cache(session.target, kv or {})):
             if t_first is None:
                 t_first = time.perf_counter()
             tokens.append(r.token)
@@ -82,12 +88,12 @@ def mlx_batch(session, prompts, n):
     return [[t for t in rows[u] if t is not None] for u in uids], end - started, None, end - t0
 
 
-def ours(session, prompts, n, width=None, policy=None):
+def ours(session, prompts, n, width=None, policy=None, kv=None):
     from dflash2_mlx.core.batch_engine import SpeculativeBatch
 
     drafter = session.drafter if width != 1 else None
     batch = SpeculativeBatch(session.target, drafter, block_size=width if width and width > 1 else None,
-                             policy=policy, prefill_step_size=4096)
+                             policy=policy, prefill_step_size=4096, **(kv or {}))
     t0 = time.perf_counter()
     ids = {batch.add(p, n): i for i, p in enumerate(prompts)}
     rows = {i: [] for i in ids.values()}
@@ -109,6 +115,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--width", type=int, default=4)
     ap.add_argument("--levels", default=",".join(map(str, LEVELS)))
+    ap.add_argument("--kv-bits", type=int, default=None)
+    ap.add_argument("--kv-group-size", type=int, default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     from dflash2_mlx.core.block_policy import BatchWidthPolicy
@@ -121,16 +129,22 @@ def main() -> None:
     costs = get_calibration(session.target, session.drafter, args.width).costs
     policy = BatchWidthPolicy(costs)  # one for the run: it learns across levels, as a server's would
     n = args.max_tokens
-    ours(session, prompts[:2], 8), mlx_batch(session, prompts[:2], 8), mlx_single(session, prompts[:1], 8)  # warm-up
+    kv = {}
+    if args.kv_bits is not None:
+        kv = {"kv_bits": args.kv_bits, "kv_group_size": session.target.kv_group_size(args.kv_bits, args.kv_group_size)}
+    ours(session, prompts[:2], 8, kv=kv), mlx_single(session, prompts[:1], 8, kv)  # warm-up
+    if not kv:
+        mlx_batch(session, prompts[:2], 8)
     results, at = [], 2
     for B in levels:
         batch_prompts, at = prompts[at : at + B], at + B
-        modes = {"mlx_lm.stream_generate x B": mlx_single(session, batch_prompts, n)}
+        modes = {"mlx_lm.stream_generate x B": mlx_single(session, batch_prompts, n, kv)}
         ref = modes["mlx_lm.stream_generate x B"][0]
-        modes["mlx-lm BatchGenerator"] = mlx_batch(session, batch_prompts, n)
-        modes["ours plain"] = ours(session, batch_prompts, n, width=1)
-        modes[f"ours DFlash 2 @{args.width}"] = ours(session, batch_prompts, n, width=args.width)
-        modes["ours auto"] = ours(session, batch_prompts, n, width=args.width, policy=policy)
+        if not kv:
+            modes["mlx-lm BatchGenerator"] = mlx_batch(session, batch_prompts, n)
+        modes["ours plain"] = ours(session, batch_prompts, n, width=1, kv=kv)
+        modes[f"ours DFlash 2 @{args.width}"] = ours(session, batch_prompts, n, width=args.width, kv=kv)
+        modes["ours auto"] = ours(session, batch_prompts, n, width=args.width, policy=policy, kv=kv)
         level = {"batch": B, "modes": {}}
         for name, (rows, seconds, widths, total_s) in modes.items():
             decoded = sum(max(len(r) - 1, 0) for r in rows)
@@ -148,9 +162,9 @@ def main() -> None:
 
 def report(results, args) -> None:
     names = list(results[0]["modes"])
-    ref = "mlx-lm BatchGenerator"
+    ref = "mlx-lm BatchGenerator" if "mlx-lm BatchGenerator" in names else "mlx_lm.stream_generate x B"
     for key, what in (("decode_tps", "decode"), ("total_tps", "with prefill")):
-        print(f"\naggregate {what} tok/s (x mlx-lm BatchGenerator), {args.max_tokens} tokens per row")
+        print(f"\naggregate {what} tok/s (x {ref}), {args.max_tokens} tokens per row")
         print(f"{'B':>3} " + " ".join(f"{n:>28s}" for n in names))
         for level in results:
             base = level["modes"][ref][key]
@@ -158,7 +172,7 @@ def report(results, args) -> None:
             print(f"{level['batch']:>3} " + " ".join(f"{c:>28s}" for c in cells))
     if args.json:
         Path(args.json).write_text(json.dumps({"max_tokens": args.max_tokens, "width": args.width,
-                                               "levels": results}, indent=1))
+                                               "kv_bits": args.kv_bits, "levels": results}, indent=1))
 
 
 if __name__ == "__main__":
