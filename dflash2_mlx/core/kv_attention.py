@@ -49,9 +49,7 @@ class FloatReadView:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         stored_keys, stored_values = self.cache.update_and_fetch(keys, values)
         group, bits = self.cache.group_size, self.cache.bits
-        read = unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
-        return (read(*stored_keys, group_size=group, bits=bits),
-                read(*stored_values, group_size=group, bits=bits))
+        return float_copy(stored_keys, group, bits), float_copy(stored_values, group, bits)
 
     def make_mask(self, *args, **kwargs):
         return self.cache.make_mask(*args, **kwargs)
@@ -68,6 +66,13 @@ def unpack_groups(packed: mx.array, scales: mx.array, biases: mx.array, group_si
     lead = codes.shape[:-1]
     groups = codes.astype(scales.dtype).reshape(*lead, -1, group_size)
     return (groups * scales[..., None] + biases[..., None]).reshape(*lead, -1)
+
+
+def float_copy(stored: tuple, group_size: int, bits: int) -> mx.array:
+    """The float values of stored (data, scales, biases) groups: unpacked from byte views on the
+    CPU, `mx.dequantize` elsewhere."""
+    read = unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
+    return read(*stored, group_size=group_size, bits=bits)
 
 
 def float_reads(n_tokens: int, device: mx.Device | None = None) -> bool:

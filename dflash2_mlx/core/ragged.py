@@ -108,8 +108,7 @@ class RaggedKVCache(_BaseCache):
         if self.quantized is None or self.quantized_read:
             return live
         group, bits = self.quantized
-        read = kv_attention.unpack_groups if mx.default_device().type == mx.DeviceType.cpu else mx.dequantize
-        return read(*live, group_size=group, bits=bits)
+        return kv_attention.float_copy(live, group, bits)
 
     # mlx-lm's `scaled_dot_product_attention` takes its quantized path by `hasattr(cache, "bits")`:
     # present only for a pass that reads the groups themselves, as for a lone `QuantizedKVCache`
